@@ -1,0 +1,219 @@
+"""The batcher loop: wait for work, plan a batch, run it on the model thread, resolve futures."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .clock import Clock
+from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
+from .metrics import BatchingMetrics
+from .planner import BatchPlan, plan_batch, split
+from .queue import Pending, RequestQueue
+from .sizer import BatchOutcome, Sizer
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Forward = Callable[[Sequence[Any]], list[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherConfig:
+    max_wait_s: float = 0.002
+    plan_window: int = 1024
+    """How many of the oldest waiting items the planner considers."""
+
+
+class ModelThread:
+    """The one thread that runs every forward pass (torch on CPU loses 30-40% hopping threads)."""
+
+    def __init__(self, name: str = "batchfit-model") -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class Batcher:
+    """Forms batches from ``queue`` and runs them through ``forward`` on ``model_thread``.
+
+    Only OOM errors (``oom_errors``) take the bisection path; the model layer turns torch's
+    errors into those. ``fatal_errors`` mark the batcher unhealthy.
+    """
+
+    def __init__(
+        self,
+        *,
+        queue: RequestQueue,
+        forward: Forward,
+        model_thread: ModelThread,
+        sizer: Sizer,
+        clock: Clock,
+        metrics: BatchingMetrics,
+        config: BatcherConfig,
+        oom_errors: tuple[type[BaseException], ...] = (),
+        fatal_errors: tuple[type[BaseException], ...] = (),
+    ) -> None:
+        self.queue = queue
+        self.sizer = sizer
+        self.clock = clock
+        self.metrics = metrics
+        self.config = config
+        self._forward = forward
+        self._model_thread = model_thread
+        self._oom_errors = oom_errors
+        self._fatal_errors = fatal_errors
+        self.healthy = True
+        self._in_flight: Sequence[Pending] = ()
+        metrics.queue_capacity.set(queue.max_items)
+
+    async def run(self) -> None:
+        """Step forever; on exit, whatever is queued or running fails with ``ShuttingDown``."""
+        try:
+            while True:
+                await self.step()
+        finally:
+            error = ShuttingDown("the server stopped before this input ran")
+            for pending in self._in_flight:
+                _fail(pending, error)
+            self.fail_waiting(error)
+
+    async def step(self) -> int:
+        """Run one batch; return how many items it held."""
+        await self.queue.wait_not_empty()
+        budget = self.sizer.budget()
+        self.metrics.budget_items.set(budget.max_items)
+        self.metrics.budget_tokens.set(budget.max_tokens)
+        await self._fill(budget.max_items, budget.max_tokens)
+
+        waiting = self._drop_expired(self.queue.waiting(self.config.plan_window))
+        if not waiting:
+            self._update_depth()
+            return 0
+        priorities = [p.priority for p in waiting]
+        plan = plan_batch(
+            [p.cost for p in waiting], budget, priorities if any(priorities) else None
+        )
+        batch = [waiting[i] for i in plan.indices]
+        self.queue.remove(batch)
+        self._update_depth()
+        self._record_dispatch(batch, plan)
+        self._in_flight = batch  # NOTE: left set if cancelled, so run() can fail these items.
+        await self._run(batch)
+        self._in_flight = ()
+        return len(batch)
+
+    def fail_waiting(self, error: Exception) -> None:
+        waiting = self.queue.waiting()
+        self.queue.remove(waiting)
+        for pending in waiting:
+            _fail(pending, error)
+        self._update_depth()
+
+    async def _fill(self, max_items: int, max_tokens: int) -> None:
+        """Wait up to ``max_wait_s`` from the oldest item's arrival for a full batch."""
+        oldest = self.queue.waiting(1)[0]
+        deadline = oldest.arrival_s + self.config.max_wait_s
+        while self.clock.now() < deadline:
+            waiting = self.queue.waiting(max_items)
+            if len(waiting) >= max_items or sum(p.cost for p in waiting) >= max_tokens:
+                return
+            self.queue.changed.clear()
+            if not await self.clock.wait(self.queue.changed, deadline):
+                return
+
+    def _drop_expired(self, waiting: list[Pending]) -> list[Pending]:
+        now = self.clock.now()
+        expired = [p for p in waiting if p.deadline_s <= now]
+        if not expired:
+            return waiting
+        self.queue.remove(expired)
+        for pending in expired:
+            _fail(pending, DeadlineExceeded(now - pending.arrival_s))
+        return [p for p in waiting if p.deadline_s > now]
+
+    def _record_dispatch(self, batch: Sequence[Pending], plan: BatchPlan) -> None:
+        now = self.clock.now()
+        for pending in batch:
+            self.metrics.queue_wait.observe(now - pending.arrival_s)
+        self.metrics.real_tokens.inc(plan.real_tokens)
+        self.metrics.padded_tokens.inc(plan.padded_tokens)
+
+    async def _run(self, batch: Sequence[Pending]) -> None:
+        """Run ``batch``; on OOM split it in two and run each half, down to one item."""
+        live = [p for p in batch if not p.cancelled]
+        if len(live) < len(batch):
+            self.metrics.cancelled.labels("queued").inc(len(batch) - len(live))
+        if not live:
+            return
+        padded_len = max(p.cost for p in live)
+        self.metrics.batch_size.observe(len(live))
+        self.metrics.batch_tokens.observe(len(live) * padded_len)
+        started = self.clock.now()
+        try:
+            outputs = await self._model_thread.call(self._forward, [p.item for p in live])
+        except self._oom_errors as exc:
+            self.sizer.on_oom(len(live), padded_len)
+            if len(live) == 1:
+                log.warning("input of %d tokens does not fit in memory alone", padded_len)
+                _fail(live[0], OutOfMemory(_oom_message(live[0], exc), _needed_bytes(exc)))
+                return
+            first, second = split(live)
+            log.info("batch of %d ran out of memory; splitting", len(live))
+            await self._run(first)
+            await self._run(second)
+            return
+        except Exception as exc:
+            self.metrics.batch_failures.inc()
+            if isinstance(exc, self._fatal_errors):
+                self.healthy = False
+                log.error("device error; marking the replica not ready: %s", exc)
+            else:
+                log.exception("batch of %d items failed", len(live))
+            for pending in live:
+                _fail(pending, InferenceFailed("inference failed"))
+            return
+        elapsed = self.clock.now() - started
+        self.metrics.batch_duration.observe(elapsed)
+        if len(outputs) != len(live):
+            log.error("model returned %d outputs for %d inputs", len(outputs), len(live))
+            for pending in live:
+                _fail(pending, InferenceFailed("model returned the wrong number of outputs"))
+            return
+        self.sizer.observe(BatchOutcome(len(live), padded_len, elapsed))
+        orphans = 0
+        for pending, output in zip(live, outputs, strict=True):
+            if pending.future.done():
+                orphans += 1
+            else:
+                pending.future.set_result(output)
+        if orphans:
+            self.metrics.cancelled.labels("running").inc(orphans)
+
+    def _update_depth(self) -> None:
+        self.metrics.queue_depth.set(len(self.queue))
+
+
+def _fail(pending: Pending, error: Exception) -> None:
+    if not pending.future.done():
+        pending.future.set_exception(error)
+
+
+def _needed_bytes(exc: BaseException) -> int | None:
+    return getattr(exc, "requested_bytes", None)
+
+
+def _oom_message(pending: Pending, exc: BaseException) -> str:
+    needed = _needed_bytes(exc)
+    amount = f"; it needed {needed / 2**20:.1f} MiB more" if needed else ""
+    return (
+        f"input {pending.index} ({pending.cost} tokens) does not fit in memory even alone{amount}"
+    )

@@ -1,0 +1,93 @@
+"""Choose the next batch from what is waiting: a pure function of costs and a budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+PeakPredictor = Callable[[int, int], float]
+"""Predicted peak bytes of a batch of ``n`` items padded to length ``L``."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchBudget:
+    """Limits for one batch. ``max_bytes`` applies only with a ``predict_bytes`` model."""
+
+    max_items: int
+    max_tokens: int
+    max_bytes: float | None = None
+    predict_bytes: PeakPredictor | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_items < 1:
+            raise ValueError(f"max_items must be at least 1, got {self.max_items}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+    def fits(self, num_items: int, padded_len: int) -> bool:
+        if num_items > self.max_items or num_items * padded_len > self.max_tokens:
+            return False
+        if self.max_bytes is None or self.predict_bytes is None:
+            return True
+        return self.predict_bytes(num_items, padded_len) <= self.max_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    indices: tuple[int, ...]
+    padded_len: int
+    real_tokens: int
+
+    @property
+    def num_items(self) -> int:
+        return len(self.indices)
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.num_items * self.padded_len
+
+    @property
+    def padding_efficiency(self) -> float:
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+
+def plan_batch(
+    costs: Sequence[int], budget: BatchBudget, priorities: Sequence[int] | None = None
+) -> BatchPlan:
+    """Pick the next batch from ``costs``, given in queue order (priority, then arrival).
+
+    The first item always goes in, even over budget, so nothing starves (the OOM path deals
+    with an item too large to run). Then the items nearest in length to it join, higher
+    priority first and FIFO among equals, while ``n * longest`` and the predicted peak stay
+    within the budget. Items that do not fit are skipped, not reordered.
+    """
+    if not costs:
+        return BatchPlan(indices=(), padded_len=0, real_tokens=0)
+    anchor = costs[0]
+    if priorities is None:
+        order = sorted(range(1, len(costs)), key=lambda i: (abs(costs[i] - anchor), i))
+    else:
+        order = sorted(
+            range(1, len(costs)), key=lambda i: (-priorities[i], abs(costs[i] - anchor), i)
+        )
+    chosen = [0]
+    padded_len = anchor
+    for i in order:
+        if len(chosen) >= budget.max_items:
+            break
+        candidate_len = max(padded_len, costs[i])
+        if budget.fits(len(chosen) + 1, candidate_len):
+            chosen.append(i)
+            padded_len = candidate_len
+    chosen.sort()
+    return BatchPlan(
+        indices=tuple(chosen),
+        padded_len=padded_len,
+        real_tokens=sum(costs[i] for i in chosen),
+    )
+
+
+def split(items: Sequence[object]) -> tuple[Sequence[object], Sequence[object]]:
+    """Halve a batch for OOM bisection: the first half gets the smaller share."""
+    middle = len(items) // 2
+    return items[:middle], items[middle:]

@@ -1,0 +1,85 @@
+"""Bounded request queue ordered by priority, then arrival. Owned by the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import QueueFull
+
+
+@dataclass(eq=False, slots=True)
+class Pending:
+    """One input waiting for the model, with the future its request awaits."""
+
+    item: Any  # has an int ``cost``
+    future: asyncio.Future[Any]
+    arrival_s: float
+    deadline_s: float
+    priority: int = 0
+    request_id: str = ""
+    index: int = 0
+    seq: int = field(default=0, init=False)
+
+    @property
+    def cost(self) -> int:
+        return self.item.cost
+
+    @property
+    def cancelled(self) -> bool:
+        return self.future.done()
+
+    def sort_key(self) -> tuple[int, int]:
+        return (-self.priority, self.seq)
+
+
+class RequestQueue:
+    """Holds at most ``max_items`` live items; a full queue rejects a whole request at once."""
+
+    def __init__(self, max_items: int, *, retry_after_s: float = 1.0) -> None:
+        if max_items < 1:
+            raise ValueError(f"max_items must be at least 1, got {max_items}")
+        self.max_items = max_items
+        self.retry_after_s = retry_after_s
+        self.changed = asyncio.Event()
+        self._items: list[Pending] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put_many(self, pendings: Sequence[Pending]) -> None:
+        """Admit all of ``pendings`` or none of them."""
+        self.purge()
+        if len(self._items) + len(pendings) > self.max_items:
+            raise QueueFull(len(self._items), self.max_items, self.retry_after_s)
+        for pending in pendings:
+            pending.seq = next(self._seq)
+            bisect.insort(self._items, pending, key=Pending.sort_key)
+        self.changed.set()
+
+    def purge(self) -> list[Pending]:
+        """Drop entries whose future already ended (cancelled, timed out); return them."""
+        dropped = [p for p in self._items if p.cancelled]
+        if dropped:
+            self._items = [p for p in self._items if not p.cancelled]
+        return dropped
+
+    def waiting(self, limit: int | None = None) -> list[Pending]:
+        """Live entries, highest priority first, FIFO within a priority."""
+        self.purge()
+        return self._items[:limit] if limit is not None else list(self._items)
+
+    def remove(self, pendings: Iterable[Pending]) -> None:
+        taken = {id(p) for p in pendings}
+        if taken:
+            self._items = [p for p in self._items if id(p) not in taken]
+
+    async def wait_not_empty(self) -> None:
+        while not self.waiting(1):
+            self.changed.clear()
+            await self.changed.wait()

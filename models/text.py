@@ -1,0 +1,132 @@
+"""Adapters for Hugging Face text encoders: sentence embedding and sequence classification."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from .base import ArchitectureShape, Item, ModelInfo
+from .errors import InputTooLong, translate_error
+
+Postprocess = Callable[[Any, torch.Tensor], list[Any]]
+
+
+def mean_pool_normalize(output: Any, attention_mask: torch.Tensor) -> list[Any]:
+    """Attention-masked mean pooling then L2 normalisation, as sentence-transformers does."""
+    hidden = output.last_hidden_state
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    summed = (hidden * mask).sum(dim=1)
+    counts = mask.sum(dim=1).clamp(min=1e-9)
+    pooled = torch.nn.functional.normalize(summed / counts, p=2, dim=1)
+    return list(pooled.float().cpu().numpy())
+
+
+def make_classifier_postprocess(id2label: dict[int, str]) -> Postprocess:
+    def postprocess(output: Any, attention_mask: torch.Tensor) -> list[Any]:
+        probs = torch.softmax(output.logits.float(), dim=-1)
+        scores, labels = probs.max(dim=-1)
+        return [
+            {"label": id2label.get(int(label), str(int(label))), "score": float(score)}
+            for label, score in zip(labels.tolist(), scores.tolist(), strict=True)
+        ]
+
+    return postprocess
+
+
+class TextModel:
+    """A transformers encoder behind the model contract.
+
+    Two tokenizer copies are configured once at load (one truncating, one not) and never
+    mutated afterwards, so they can encode from any thread without the fast tokenizer's
+    "Already borrowed" errors.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        task: str,
+        module: torch.nn.Module,
+        tokenizer: Tokenizer,
+        pad_token_id: int,
+        max_input_tokens: int,
+        postprocess: Postprocess,
+        output_dim: int | None,
+        shape: ArchitectureShape,
+        device: torch.device,
+    ) -> None:
+        self._module = module
+        self._device = device
+        self._pad_token_id = pad_token_id
+        self._postprocess = postprocess
+        self._accepts_token_type_ids = "token_type_ids" in module.forward.__code__.co_varnames
+        self._full = Tokenizer.from_str(tokenizer.to_str())
+        self._full.no_truncation()
+        self._full.no_padding()
+        self._truncating = Tokenizer.from_str(tokenizer.to_str())
+        self._truncating.enable_truncation(max_length=max_input_tokens)
+        self._truncating.no_padding()
+        dtype = next(module.parameters()).dtype
+        self.info = ModelInfo(
+            name=name,
+            task=task,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            max_input_tokens=max_input_tokens,
+            num_parameters=sum(p.numel() for p in module.parameters()),
+            output_dim=output_dim,
+            shape=shape,
+        )
+
+    def prepare(self, inputs: Sequence[str], *, truncate: bool) -> list[Item]:
+        tokenizer = self._truncating if truncate else self._full
+        encodings = tokenizer.encode_batch_fast(list(inputs))
+        limit = self.info.max_input_tokens
+        items = []
+        for index, encoding in enumerate(encodings):
+            ids = encoding.ids
+            if len(ids) > limit:
+                raise InputTooLong(index, len(ids), limit)
+            items.append(Item(data=ids, cost=len(ids)))
+        return items
+
+    def synthetic_items(self, num_items: int, length: int) -> list[Item]:
+        length = max(2, min(length, self.info.max_input_tokens))
+        # Any non-special id works; 1000 exists in every vocabulary we load.
+        ids = [1000] * length
+        return [Item(data=ids, cost=length) for _ in range(num_items)]
+
+    def collate(self, items: Sequence[Item]) -> tuple[torch.Tensor, torch.Tensor]:
+        max_len = max(item.cost for item in items)
+        input_ids = torch.full((len(items), max_len), self._pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(items), max_len), dtype=torch.long)
+        for row, item in enumerate(items):
+            input_ids[row, : item.cost] = torch.tensor(item.data, dtype=torch.long)
+            attention_mask[row, : item.cost] = 1
+        return input_ids, attention_mask
+
+    def forward(self, items: Sequence[Item]) -> list[Any]:
+        input_ids, attention_mask = self.collate(items)
+        error: BaseException | None = None
+        try:
+            with torch.inference_mode():
+                input_ids = input_ids.to(self._device, non_blocking=True)
+                attention_mask = attention_mask.to(self._device, non_blocking=True)
+                kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+                if self._accepts_token_type_ids:
+                    kwargs["token_type_ids"] = torch.zeros_like(input_ids)
+                output = self._module(**kwargs)
+                results = self._postprocess(output, attention_mask)
+                del output
+        except Exception as exc:
+            error = translate_error(exc)
+            if error is exc:
+                raise
+        if error is not None:
+            # NOTE: raised outside the except block so that no traceback (and none of the
+            # frames holding the failed batch's tensors) stays reachable from our error.
+            raise error
+        return results

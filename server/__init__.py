@@ -1,0 +1,7 @@
+"""HTTP front end, settings and wiring. The only package that composes the others."""
+
+from .app import create_app
+from .errors import ApiError
+from .settings import ServerConfig, Settings
+
+__all__ = ["ApiError", "ServerConfig", "Settings", "create_app"]

@@ -1,0 +1,74 @@
+"""The app factory: the only place that composes settings, model, batching and HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry, disable_created_metrics
+from starlette.responses import Response
+
+from batching import Clock, Sizer
+from models import Model
+
+from .errors import install_error_handlers
+from .middleware import RequestContextMiddleware
+from .routes import metrics_response, router
+from .runtime import Runtime
+from .settings import Settings
+
+log = logging.getLogger("batchfit")
+
+
+def create_app(
+    settings: Settings,
+    *,
+    model: Model | None = None,
+    probe: object | None = None,
+    clock: Clock | None = None,
+    registry: CollectorRegistry | None = None,
+    sizer: Sizer | None = None,
+    on_fatal: Callable[[], None] | None = None,
+) -> FastAPI:
+    """Build one replica's app. Start-up (model load, warm-up) runs in the background so that
+    ``/health/live`` answers at once and ``/health/ready`` says 503 until it is done."""
+    # The *_created series only add noise to every scrape.
+    disable_created_metrics()
+    registry = registry if registry is not None else CollectorRegistry()
+    runtime = Runtime(
+        settings, registry=registry, model=model, clock=clock, sizer=sizer, on_fatal=on_fatal
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        starting = asyncio.create_task(runtime.start(), name="batchfit-start")
+        try:
+            yield
+        finally:
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            await runtime.stop()
+
+    app = FastAPI(
+        title="Batchfit",
+        summary="Adaptive-batching inference server",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.runtime = runtime
+    app.state.registry = registry
+    app.add_middleware(
+        RequestContextMiddleware, max_body_bytes=settings.max_body_bytes, metrics=runtime.metrics
+    )
+    install_error_handlers(app)
+    app.include_router(router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        return metrics_response(registry)
+
+    return app

@@ -1,0 +1,102 @@
+"""``batchfit`` command line: every Settings field is a flag of the same name."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+import typing
+from collections.abc import Sequence
+
+import uvicorn
+from pydantic import ValidationError
+
+from .app import create_app
+from .settings import Settings
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field; unset flags fall back to BATCHFIT_* and then defaults."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        choices = (
+            typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+        )
+        if annotation is bool:
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS, help=field.description,
+            )  # fmt: skip
+        else:
+            parser.add_argument(
+                flag, dest=name, choices=choices, default=argparse.SUPPRESS,
+                help=f"{field.description} (default: {field.default})",
+                metavar=None if choices else _metavar(annotation),
+            )  # fmt: skip
+
+
+def _metavar(annotation: object) -> str:
+    if isinstance(annotation, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return getattr(annotation, "__name__", "VALUE").upper()
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    return Settings(**given)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def serve(settings: Settings) -> int:
+    configure_logging(settings.log_level)
+    config = uvicorn.Config(
+        None,  # set below
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        # Nginx keeps upstream connections alive for less than this, so it never reuses a
+        # connection uvicorn is closing.
+        timeout_keep_alive=75,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+
+    def on_fatal() -> None:
+        server.should_exit = True
+
+    app = create_app(settings, on_fatal=on_fatal)
+    config.app = app
+    server.run()
+    return 1 if app.state.runtime.startup_error is not None else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchfit", description="Adaptive-batching inference server."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="Serve a model over HTTP.")
+    add_settings_flags(serve_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(f"batchfit: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        return serve(settings)
+    return 2

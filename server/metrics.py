@@ -1,0 +1,48 @@
+"""Request-level Prometheus metrics, on the registry the app was given."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from batching.metrics import LATENCY_BUCKETS_S
+
+REJECTION_REASONS = (
+    "queue_full", "draining", "not_ready", "too_large", "invalid", "deadline", "unauthorized",
+)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "batchfit_requests",
+            "Finished HTTP requests by endpoint, status code and error type.",
+            ["endpoint", "code", "error_type"],
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "batchfit_request_duration_seconds",
+            "End-to-end request latency inside the replica.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.inputs = Counter("batchfit_inputs", "Inputs answered successfully.", registry=registry)
+        self.input_tokens = Counter(
+            "batchfit_input_tokens", "Tokens of inputs answered successfully.", registry=registry
+        )
+        self.in_flight = Gauge(
+            "batchfit_requests_in_flight", "Requests being handled now.", registry=registry
+        )
+        self.rejections = Counter(
+            "batchfit_rejections",
+            "Requests refused before or instead of compute, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason)
+        self.ready = Gauge("batchfit_ready", "1 when the replica accepts work.", registry=registry)
+        self.draining = Gauge(
+            "batchfit_draining", "1 while the replica drains before exit.", registry=registry
+        )
+        self.model = Info("batchfit_model", "The model this replica serves.", registry=registry)

@@ -1,0 +1,132 @@
+"""Pure ASGI middleware: request ids, the body-size limit, and request metrics."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+import orjson
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .metrics import ServerMetrics
+
+_VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# Endpoints whose requests we count; anything else is "other" (keeps label cardinality low).
+COUNTED_ENDPOINTS = frozenset({"/v1/infer", "/v1/models"})
+REJECTION_REASON = {
+    "overloaded": "queue_full",
+    "draining": "draining",
+    "not_ready": "not_ready",
+    "payload_too_large": "too_large",
+    "too_many_inputs": "too_large",
+    "input_too_long": "too_large",
+    "invalid_json": "invalid",
+    "invalid_request": "invalid",
+    "empty_input": "invalid",
+    "unsupported_media_type": "invalid",
+    "deadline_exceeded": "deadline",
+    "unauthorized": "unauthorized",
+}
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is larger than the limit of {limit} bytes")
+
+
+class RequestContextMiddleware:
+    """Assigns the request id, enforces ``max_body_bytes`` while streaming, counts requests."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        request_id = _request_id(headers.get(b"x-request-id"))
+        state: dict[str, Any] = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        path = scope["path"]
+        endpoint = path if path in COUNTED_ENDPOINTS else "other"
+        started = time.perf_counter()
+        status = 500
+
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            state["error_type"] = "payload_too_large"
+            status = 413
+            await _send_json(send, 413, request_id, BodyTooLarge(self.max_body_bytes).detail)
+            self._record(endpoint, status, state, started)
+            return
+
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise BodyTooLarge(self.max_body_bytes)
+            return message
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"x-request-id", request_id.encode()),
+                ]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, limited_receive, send_with_id)
+        finally:
+            self.metrics.in_flight.dec()
+            self._record(endpoint, status, state, started)
+
+    def _record(self, endpoint: str, status: int, state: dict[str, Any], started: float) -> None:
+        error_type = state.get("error_type", "") if status >= 400 else ""
+        self.metrics.requests.labels(endpoint, str(status), error_type).inc()
+        if endpoint == "other":
+            return
+        self.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - started)
+        reason = REJECTION_REASON.get(error_type)
+        if reason is not None:
+            self.metrics.rejections.labels(reason).inc()
+
+
+def _request_id(header: bytes | None) -> str:
+    if header:
+        candidate = header.decode("latin-1")
+        if _VALID_REQUEST_ID.fullmatch(candidate):
+            return candidate
+    return uuid.uuid4().hex
+
+
+async def _send_json(send: Send, status: int, request_id: str, message: str) -> None:
+    body = orjson.dumps(
+        {"error": message, "error_type": "payload_too_large", "request_id": request_id}
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", request_id.encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,152 @@
+"""HTTP routes. Thin: validate, hand over to the runtime, shape the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.responses import Response
+
+from .errors import ApiError, error_response, not_ready, request_id_of, to_api_error
+from .runtime import Runtime
+from .schemas import ErrorBody, InferRequest, InferResponse, ModelList
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": description}
+    for code, description in {
+        400: "Unparsable body or empty input",
+        413: "Body, input count or input length too large",
+        415: "Body is not JSON",
+        422: "Schema error",
+        429: "Queue full; see Retry-After",
+        503: "Not ready or draining; see Retry-After",
+        504: "Deadline passed",
+        507: "An input does not fit in memory even alone",
+        500: "Unexpected error",
+    }.items()
+}
+
+router = APIRouter()
+
+
+def _runtime(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def _json(body: Any, status_code: int = 200) -> Response:
+    return Response(
+        orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
+        status_code=status_code,
+        media_type="application/json",
+    )
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def require_json(request: Request) -> None:
+    """Refuse a body declared as something other than JSON (415); no header means JSON."""
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise ApiError(
+            415, "unsupported_media_type", f"content type {media_type!r} is not application/json"
+        )
+
+
+@router.post(
+    "/v1/infer",
+    response_model=InferResponse,
+    responses=ERROR_RESPONSES,
+    dependencies=[Depends(require_json)],
+)
+async def infer(body: InferRequest, request: Request) -> Response:
+    runtime = _runtime(request)
+    config = runtime.config
+    request_id = request_id_of(request)
+    inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    if not inputs:
+        raise ApiError(400, "empty_input", "inputs is empty")
+    if len(inputs) > config.max_inputs_per_request:
+        raise ApiError(
+            413,
+            "too_many_inputs",
+            f"{len(inputs)} inputs, more than the limit of {config.max_inputs_per_request}",
+        )
+    empty = next((i for i, text in enumerate(inputs) if not text), None)
+    if empty is not None:
+        raise ApiError(400, "empty_input", f"input {empty} is an empty string")
+    timeout_s = min(body.timeout_s or config.default_timeout_s, config.max_timeout_s)
+
+    work = asyncio.ensure_future(
+        runtime.infer(inputs, truncate=body.truncate, timeout_s=timeout_s, request_id=request_id)
+    )
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            # The client went away: cancelling drops its queued items before compute.
+            work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    if work.cancelled():
+        request.state.error_type = "client_disconnected"
+        return Response(status_code=499)
+    try:
+        outputs, num_tokens = work.result()
+    except Exception as exc:
+        return error_response(request, to_api_error(exc))
+    runtime.metrics.inputs.inc(len(outputs))
+    runtime.metrics.input_tokens.inc(num_tokens)
+    return _json(
+        {
+            "model": runtime.model.info.name if runtime.model else "",
+            "outputs": outputs,
+            "usage": {"input_tokens": num_tokens},
+            "request_id": request_id,
+        }
+    )
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request) -> Response:
+    runtime = _runtime(request)
+    if runtime.model is None:
+        raise not_ready()
+    info = runtime.model.info
+    card = {
+        "name": info.name,
+        "task": info.task,
+        "device": info.device,
+        "dtype": info.dtype,
+        "max_input_tokens": info.max_input_tokens,
+        "output_dim": info.output_dim,
+    }
+    return _json({"models": [card]})
+
+
+@router.get("/health/live")
+async def live() -> Response:
+    return _json({"status": "live"})
+
+
+@router.get("/health/ready")
+async def ready(request: Request) -> Response:
+    runtime = _runtime(request)
+    if not runtime.ready:
+        return error_response(request, not_ready())
+    return _json({"status": "ready"})
+
+
+def metrics_response(registry: CollectorRegistry) -> Response:
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

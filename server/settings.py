@@ -1,0 +1,108 @@
+"""Settings: the one place the environment (``BATCHFIT_*``) and CLI flags are read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from batching import BatcherConfig
+from models import BUNDLED_MODEL, ModelSpec
+
+
+class Settings(BaseSettings):
+    """Every field is also a CLI flag: ``max_batch_size`` is ``--max-batch-size``."""
+
+    model_config = SettingsConfigDict(env_prefix="BATCHFIT_", frozen=True, extra="forbid")
+
+    model: str = Field(
+        BUNDLED_MODEL,
+        description="Model to serve: the bundled all-MiniLM-L6-v2, a local Hugging Face folder "
+        "or a hub name (safetensors only).",
+    )
+    task: Literal["auto", "embed", "classify"] = Field(
+        "auto", description="embed (mean-pooled, normalised) or classify; auto reads the config."
+    )
+    device: str = Field("auto", description="cuda, cuda:N or cpu; auto picks CUDA if present.")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32", description="Weights and activations dtype."
+    )
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
+    max_batch_size: int = Field(32, ge=1, description="Most items in one forward pass.")
+    max_batch_tokens: int = Field(
+        4096, ge=1, description="Most padded tokens (items x longest input) in one forward pass."
+    )
+    max_wait_ms: float = Field(
+        2.0,
+        ge=0,
+        le=1000,
+        description="How long the oldest waiting item may wait for batch-mates while the model "
+        "is idle. Batches mostly form while the model runs the previous one.",
+    )
+    max_queue_items: int = Field(
+        1024, ge=1, description="Queue capacity in items; beyond it requests get 429."
+    )
+    max_inputs_per_request: int = Field(
+        256, ge=1, description="Most inputs in one request; beyond it 413."
+    )
+    max_input_tokens: int | None = Field(
+        None, ge=2, description="Truncation length; defaults to the model's own maximum."
+    )
+    max_body_bytes: int = Field(
+        2 * 2**20, ge=1024, description="Largest request body accepted; beyond it 413."
+    )
+    default_timeout_s: float = Field(
+        60.0, gt=0, description="Deadline of a request that sets no timeout_s."
+    )
+    max_timeout_s: float = Field(
+        300.0, gt=0, description="Cap on a request's timeout_s (longer values are capped)."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> Settings:
+        if self.default_timeout_s > self.max_timeout_s:
+            raise ValueError(
+                f"default_timeout_s ({self.default_timeout_s}) exceeds "
+                f"max_timeout_s ({self.max_timeout_s})"
+            )
+        return self
+
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec(
+            model=self.model,
+            task=self.task,
+            device=self.device,
+            dtype=self.dtype,
+            max_input_tokens=self.max_input_tokens,
+        )
+
+    def batcher_config(self) -> BatcherConfig:
+        return BatcherConfig(max_wait_s=self.max_wait_ms / 1000)
+
+    def server_config(self) -> ServerConfig:
+        return ServerConfig(
+            max_inputs_per_request=self.max_inputs_per_request,
+            max_body_bytes=self.max_body_bytes,
+            default_timeout_s=self.default_timeout_s,
+            max_timeout_s=self.max_timeout_s,
+            max_queue_items=self.max_queue_items,
+            max_batch_size=self.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    max_inputs_per_request: int
+    max_body_bytes: int
+    default_timeout_s: float
+    max_timeout_s: float
+    max_queue_items: int
+    max_batch_size: int
+    max_batch_tokens: int

@@ -1,0 +1,85 @@
+"""Fakes for unit tests of the batching logic: a clock that jumps, a scripted model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from models import ArchitectureShape, Item, ModelInfo, ModelOutOfMemory
+
+SHAPE = ArchitectureShape(
+    hidden_size=8, num_layers=1, num_heads=1, intermediate_size=16, element_bytes=4,
+    parameter_bytes=1000,
+)  # fmt: skip
+
+
+class FakeClock:
+    """Time stands still until a wait would block; then it jumps to the deadline."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+    async def wait(self, event: asyncio.Event, deadline: float) -> bool:
+        if event.is_set():
+            return True
+        self.t = max(self.t, deadline)
+        return False
+
+
+class ScriptedModel:
+    """Cost is the number of words + 2; output is ``"out:<text>"``.
+
+    Raises ``ModelOutOfMemory`` for batches larger than ``oom_above_items`` or with more padded
+    tokens than ``oom_above_tokens``; records every batch's size. ``gate`` (if set) blocks the
+    model thread until the test opens it.
+    """
+
+    def __init__(
+        self,
+        *,
+        oom_above_items: int | None = None,
+        oom_above_tokens: int | None = None,
+        fail_with: Exception | None = None,
+        gate: threading.Event | None = None,
+        max_input_tokens: int = 64,
+    ) -> None:
+        self.oom_above_items = oom_above_items
+        self.oom_above_tokens = oom_above_tokens
+        self.fail_with = fail_with
+        self.gate = gate
+        self.entered = threading.Event()  # set whenever a forward pass starts
+        self.batch_sizes: list[int] = []
+        self.seen: list[str] = []
+        self.info = ModelInfo(
+            name="scripted", task="embed", device="cpu", dtype="float32",
+            max_input_tokens=max_input_tokens, num_parameters=1, output_dim=1, shape=SHAPE,
+        )  # fmt: skip
+
+    def prepare(self, inputs: Sequence[str], *, truncate: bool) -> list[Item]:
+        return [Item(data=text, cost=len(text.split()) + 2) for text in inputs]
+
+    def synthetic_items(self, num_items: int, length: int) -> list[Item]:
+        return [Item(data="warm " * (length - 2), cost=length) for _ in range(num_items)]
+
+    def forward(self, items: Sequence[Item]) -> list[Any]:
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(timeout=30)
+        self.batch_sizes.append(len(items))
+        if self.fail_with is not None:
+            raise self.fail_with
+        padded = len(items) * max(item.cost for item in items)
+        too_many = self.oom_above_items is not None and len(items) > self.oom_above_items
+        too_big = self.oom_above_tokens is not None and padded > self.oom_above_tokens
+        if too_many or too_big:
+            raise ModelOutOfMemory(f"scripted OOM at {len(items)} items", requested_bytes=2**20)
+        self.seen.extend(str(item.data) for item in items)
+        return [f"out:{item.data}" for item in items]

@@ -1,0 +1,164 @@
+import asyncio
+import threading
+
+import pytest
+
+from batching import DeadlineExceeded, FixedSizer, InferenceFailed, OutOfMemory, ShuttingDown
+from models import DeviceError
+from tests.fakes import ScriptedModel
+
+TIMEOUT = 10  # guard against hangs only
+
+
+async def test_prefilled_queue_runs_as_one_batch_in_order(harness_factory):
+    h = harness_factory()
+    pendings = h.submit([f"text {i}" for i in range(10)])
+    assert await asyncio.wait_for(h.batcher.step(), TIMEOUT) == 10
+    assert h.model.batch_sizes == [10]
+    assert [p.future.result() for p in pendings] == [f"out:text {i}" for i in range(10)]
+    assert h.sample("batchfit_batch_size_count") == 1
+    assert h.sample("batchfit_batch_size_sum") == 10
+    assert h.sample("batchfit_queue_depth") == 0
+
+
+async def test_waits_for_fill_window_from_the_first_item(harness_factory, clock):
+    h = harness_factory(max_wait_s=0.005)
+    h.submit(["a"])
+    start = clock.now()
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    # The fake clock jumped exactly to the first item's deadline: nothing more arrived.
+    assert clock.now() == pytest.approx(start + 0.005)
+    assert h.model.batch_sizes == [1]
+
+
+async def test_full_batch_does_not_wait(harness_factory, clock):
+    h = harness_factory(sizer=FixedSizer(max_items=4, max_tokens=1000))
+    h.submit(["a"] * 6)
+    start = clock.now()
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert clock.now() == start
+    assert h.model.batch_sizes == [4]
+    assert len(h.queue) == 2
+
+
+async def test_token_budget_groups_similar_lengths(harness_factory):
+    h = harness_factory(sizer=FixedSizer(max_items=32, max_tokens=40))
+    short = "w"  # 3 tokens
+    long = " ".join(["w"] * 18)  # 20 tokens
+    pendings = h.submit([short, long, short, long, short])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert h.model.batch_sizes == [3, 2]
+    assert all(p.future.done() for p in pendings)
+
+
+async def test_oom_splits_in_halves_until_it_fits(harness_factory):
+    model = ScriptedModel(oom_above_items=8)
+    h = harness_factory(model=model)
+    texts = [f"t{i}" for i in range(32)]
+    pendings = h.submit(texts)
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert model.batch_sizes == [32, 16, 8, 8, 16, 8, 8]
+    assert [p.future.result() for p in pendings] == [f"out:{t}" for t in texts]
+    assert model.seen == texts  # each input ran exactly once, in order
+
+
+async def test_single_item_that_never_fits_gets_out_of_memory_alone(harness_factory):
+    model = ScriptedModel(oom_above_tokens=10)
+    h = harness_factory(model=model)
+    huge = " ".join(["w"] * 20)  # 22 tokens: over the limit even alone
+    pendings = h.submit(["a", "b", huge, "c"])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert model.batch_sizes == [4, 2, 2, 1, 1]
+    assert [p.future.result() for p in pendings[:2]] == ["out:a", "out:b"]
+    assert pendings[3].future.result() == "out:c"
+    with pytest.raises(OutOfMemory, match=r"input 2 \(22 tokens\) does not fit.*1\.0 MiB"):
+        pendings[2].future.result()
+
+
+async def test_cancelled_items_never_reach_the_model(harness_factory):
+    h = harness_factory()
+    pendings = h.submit(["a", "b", "c"])
+    pendings[1].future.cancel()
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert h.model.seen == ["a", "c"]
+    assert h.model.batch_sizes == [2]
+
+
+async def test_expired_items_fail_with_deadline_without_running(harness_factory, clock):
+    h = harness_factory()
+    stale = h.submit(["stale"], timeout_s=0.001)
+    fresh = h.submit(["fresh"], timeout_s=60)
+    clock.advance(1.0)
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    with pytest.raises(DeadlineExceeded):
+        stale[0].future.result()
+    assert fresh[0].future.result() == "out:fresh"
+    assert h.model.seen == ["fresh"]
+
+
+async def test_model_error_fails_the_batch_and_the_loop_goes_on(harness_factory):
+    model = ScriptedModel(fail_with=ValueError("boom"))
+    h = harness_factory(model=model)
+    first = h.submit(["a", "b"])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    for p in first:
+        with pytest.raises(InferenceFailed):
+            p.future.result()
+    assert h.batcher.healthy
+    assert h.sample("batchfit_batch_failures_total") == 1
+    model.fail_with = None
+    second = h.submit(["c"])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert second[0].future.result() == "out:c"
+
+
+async def test_device_error_marks_unhealthy(harness_factory):
+    h = harness_factory(model=ScriptedModel(fail_with=DeviceError("CUDA error: illegal address")))
+    pendings = h.submit(["a"])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert not h.batcher.healthy
+    with pytest.raises(InferenceFailed):
+        pendings[0].future.result()
+
+
+async def test_wrong_output_count_fails_instead_of_misrouting(harness_factory):
+    model = ScriptedModel()
+    model.forward = lambda items: ["only one"]
+    h = harness_factory(model=model)
+    pendings = h.submit(["a", "b"])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    for p in pendings:
+        with pytest.raises(InferenceFailed, match="wrong number of outputs"):
+            p.future.result()
+
+
+async def test_result_for_a_request_gone_mid_batch_is_dropped(harness_factory):
+    gate = threading.Event()
+    h = harness_factory(model=ScriptedModel(gate=gate))
+    pendings = h.submit(["a", "b"])
+    step = asyncio.create_task(h.batcher.step())
+    while len(h.queue):
+        await asyncio.sleep(0.001)  # poll until the batch left the queue
+    pendings[0].future.cancel()
+    gate.set()
+    await asyncio.wait_for(step, TIMEOUT)
+    assert pendings[1].future.result() == "out:b"
+    assert h.sample("batchfit_cancelled_items_total", {"stage": "running"}) == 1
+
+
+async def test_stopping_the_loop_fails_what_is_still_queued(harness_factory):
+    gate = threading.Event()
+    h = harness_factory(model=ScriptedModel(gate=gate), sizer=FixedSizer(1, 100))
+    pendings = h.submit(["a", "b", "c"])
+    task = asyncio.create_task(h.batcher.run())
+    while len(h.queue) == 3:
+        await asyncio.sleep(0.001)
+    task.cancel()
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, TIMEOUT)
+    # The running item and the two still queued all end.
+    for p in pendings:
+        with pytest.raises(ShuttingDown):
+            p.future.result()

@@ -1,0 +1,37 @@
+"""Keep the package boundaries true: models imports neither batching nor server;
+batching never imports a concrete model (nor server)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FORBIDDEN = {"models": {"server", "batching"}, "batching": {"server", "models"}}
+
+
+def imported_packages(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_boundaries(package):
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files
+    for path in files:
+        bad = imported_packages(path) & FORBIDDEN[package]
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("package", ["server", "batching", "models"])
+def test_public_names_are_exported(package):
+    module = __import__(package)
+    assert module.__all__
+    for name in module.__all__:
+        assert hasattr(module, name)

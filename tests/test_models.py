@@ -1,0 +1,117 @@
+import pytest
+import torch
+
+from models import (
+    InputTooLong,
+    ModelLoadError,
+    ModelOutOfMemory,
+    ModelSpec,
+    is_out_of_memory,
+    load_model,
+    translate_error,
+)
+from models.errors import requested_bytes
+from models.testing import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_embedder(tmp_path_factory):
+    folder = save_tiny_model(tmp_path_factory.mktemp("tiny-embed"))
+    return load_model(ModelSpec(model=str(folder), device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def tiny_classifier(tmp_path_factory):
+    folder = save_tiny_model(tmp_path_factory.mktemp("tiny-cls"), task="classify")
+    return load_model(ModelSpec(model=str(folder), device="cpu"))
+
+
+def test_embedding_outputs_are_normalised_and_batch_independent(tiny_embedder):
+    assert tiny_embedder.info.task == "embed"
+    texts = ["short", "a somewhat longer sentence with more tokens in it"]
+    items = tiny_embedder.prepare(texts, truncate=True)
+    together = tiny_embedder.forward(items)
+    alone = [tiny_embedder.forward([item])[0] for item in items]
+    for a, b in zip(together, alone, strict=True):
+        assert a.shape == (32,)
+        assert float((a**2).sum()) == pytest.approx(1.0, abs=1e-5)
+        # Padding must not change a result: masked pooling ignores pad positions.
+        assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), atol=1e-5)
+
+
+def test_classifier_outputs_label_and_score(tiny_classifier):
+    assert tiny_classifier.info.task == "classify"
+    outputs = tiny_classifier.forward(tiny_classifier.prepare(["good", "bad movie"], truncate=True))
+    assert len(outputs) == 2
+    for output in outputs:
+        assert output["label"] in {"negative", "neutral", "positive"}
+        assert 1 / 3 <= output["score"] <= 1.0
+
+
+def test_truncation_and_too_long(tiny_embedder):
+    limit = tiny_embedder.info.max_input_tokens
+    long_text = "word " * (limit * 2)
+    (item,) = tiny_embedder.prepare([long_text], truncate=True)
+    assert item.cost == limit
+    with pytest.raises(InputTooLong, match=f"input 1 has .* maximum of {limit}"):
+        tiny_embedder.prepare(["ok", long_text], truncate=False)
+
+
+def test_cost_is_token_count(tiny_embedder):
+    (item,) = tiny_embedder.prepare(["hello world"], truncate=True)
+    assert item.cost == len(item.data) == 4  # [CLS] hello world [SEP]
+
+
+def test_pickle_checkpoint_is_refused(tmp_path):
+    folder = save_tiny_model(tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    torch.save({"weights": 1}, folder / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="pickle checkpoints are refused"):
+        load_model(ModelSpec(model=str(folder), device="cpu"))
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        load_model(ModelSpec(model=str(tmp_path), device="cpu"))
+
+
+def test_unknown_device_is_refused(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"CUDA is not available|unknown device"):
+        load_model(ModelSpec(model=str(save_tiny_model(tmp_path / "m")), device="cuda:3"))
+
+
+CPU_OOM = (
+    "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+    "you tried to allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+
+@pytest.mark.parametrize(
+    ("error", "is_oom"),
+    [
+        (RuntimeError(CPU_OOM), True),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"), True),
+        (MemoryError(), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),
+        (ValueError("can't allocate memory"), False),
+    ],
+)
+def test_only_allocation_failures_count_as_oom(error, is_oom):
+    assert is_out_of_memory(error) is is_oom
+    assert isinstance(translate_error(error), ModelOutOfMemory) is is_oom
+
+
+def test_requested_bytes_are_read_from_the_message():
+    assert requested_bytes(RuntimeError(CPU_OOM)) == 2147483648
+    assert requested_bytes(RuntimeError("Tried to allocate 20.00 MiB")) == 20 * 2**20
+    assert requested_bytes(RuntimeError("no size here")) is None
+
+
+def test_real_cpu_allocation_failure_becomes_model_out_of_memory(tiny_embedder):
+    # An allocation far beyond any machine's memory: torch's CPU allocator raises for real.
+    with pytest.raises(ModelOutOfMemory) as info:
+        try:
+            torch.empty(2**62, dtype=torch.uint8)
+        except Exception as exc:
+            raise translate_error(exc) from None
+    assert info.value.requested_bytes == 2**62

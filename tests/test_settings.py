@@ -1,0 +1,63 @@
+import pytest
+from pydantic import ValidationError
+
+from server.cli import build_parser, settings_from_args
+from server.settings import Settings
+
+
+def test_every_field_is_described():
+    for name, field in Settings.model_fields.items():
+        assert field.description, f"{name} has no description"
+
+
+def test_env_prefix(monkeypatch):
+    monkeypatch.setenv("BATCHFIT_MAX_BATCH_SIZE", "7")
+    monkeypatch.setenv("BATCHFIT_MAX_WAIT_MS", "0")
+    settings = Settings()
+    assert settings.max_batch_size == 7
+    assert settings.batcher_config().max_wait_s == 0
+
+
+def test_cli_flags_match_field_names_and_override_env(monkeypatch):
+    monkeypatch.setenv("BATCHFIT_PORT", "9000")
+    args = build_parser().parse_args(
+        ["serve", "--port", "9100", "--max-batch-size", "64", "--max-wait-ms", "1.5",
+         "--max-batch-tokens", "2048", "--max-queue-items", "10", "--device", "cpu"]
+    )  # fmt: skip
+    settings = settings_from_args(args)
+    assert settings.port == 9100
+    assert settings.max_batch_size == 64
+    assert settings.max_batch_tokens == 2048
+    assert settings.max_queue_items == 10
+    assert settings.batcher_config().max_wait_s == pytest.approx(0.0015)
+
+
+def test_every_field_has_a_flag():
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for name in Settings.model_fields:
+        assert "--" + name.replace("_", "-") in help_text
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_batch_size", 0, "greater than or equal to 1"),
+        ("port", 70000, "less than or equal to 65535"),
+        ("max_wait_ms", -1, "greater than or equal to 0"),
+        ("task", "translate", "'auto', 'embed' or 'classify'"),
+    ],
+)
+def test_bad_values_are_refused_with_the_value_shown(field, value, message):
+    with pytest.raises(ValidationError, match=message) as info:
+        Settings(**{field: value})
+    assert str(value) in str(info.value)
+
+
+def test_default_timeout_cannot_exceed_the_cap():
+    with pytest.raises(ValidationError, match=r"default_timeout_s \(100.0\) exceeds"):
+        Settings(default_timeout_s=100, max_timeout_s=10)
+
+
+def test_unknown_setting_is_refused():
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        Settings(max_batchsize=3)
