@@ -84,3 +84,76 @@ class BatchingMetrics:
             "Padded-token budget of the next batch.",
             registry=registry,
         )
+
+
+class MemoryMetrics:
+    """What the memory probes read and what the sizer predicted, per replica."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.budget_bytes = Gauge(
+            "batchfit_batch_budget_bytes",
+            "Predicted-peak budget of the next batch (free memory less headroom).",
+            registry=registry,
+        )
+        self.free_bytes = Gauge(
+            "batchfit_memory_free_bytes",
+            "Memory the probes said was free at the last dispatch.",
+            registry=registry,
+        )
+        self.headroom_bytes = Gauge(
+            "batchfit_memory_headroom_bytes",
+            "Free memory left over the predicted peak at the last dispatch.",
+            registry=registry,
+        )
+        self.predicted_peak = Gauge(
+            "batchfit_batch_predicted_peak_bytes",
+            "Predicted peak memory of the last batch, above the memory in use before it.",
+            registry=registry,
+        )
+        self.measured_peak = Gauge(
+            "batchfit_batch_measured_peak_bytes",
+            "Measured peak memory of the last batch, above the memory in use before it.",
+            registry=registry,
+        )
+        self.peak_ratio = Histogram(
+            "batchfit_batch_peak_ratio",
+            "Measured over predicted peak per batch (below 1: the prediction was safe).",
+            buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+            registry=registry,
+        )
+        self.oom_events = Counter(
+            "batchfit_oom_events",
+            "Forward passes that ran out of memory, by outcome: split (retried as two "
+            "halves) or failed (a single input that does not fit; its request got 507).",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("split", "failed"):
+            self.oom_events.labels(outcome)
+        self.device_used = Gauge(
+            "batchfit_device_memory_used_bytes",
+            "Device memory in use by all processes (NVML).",
+            registry=registry,
+        )
+        self.device_total = Gauge(
+            "batchfit_device_memory_total_bytes", "Device memory in all (NVML).", registry=registry
+        )
+        self.torch_allocated = Gauge(
+            "batchfit_torch_allocated_bytes",
+            "Memory held by tensors (torch.cuda.memory_allocated).",
+            registry=registry,
+        )
+        self.torch_reserved = Gauge(
+            "batchfit_torch_reserved_bytes",
+            "Memory reserved by torch's caching allocator; minus allocated, the fragmentation gap.",
+            registry=registry,
+        )
+        self.host_resident = Gauge(
+            "batchfit_host_resident_bytes", "Resident memory of this process.", registry=registry
+        )
+        self.host_available = Gauge(
+            "batchfit_host_available_bytes",
+            "Memory the host could still give this process (MemAvailable, cgroup and "
+            "address-space limits, the smallest).",
+            registry=registry,
+        )
