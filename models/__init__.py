@@ -1,6 +1,7 @@
 """Model contract and adapters. Imports nothing from ``server`` or ``batching``."""
 
 from .base import ArchitectureShape, Item, Model, ModelInfo
+from .custom import load_entry_point, parse_entry_point
 from .errors import (
     DeviceError,
     InputTooLong,
@@ -11,11 +12,14 @@ from .errors import (
     translate_error,
 )
 from .loading import BUNDLED_MODEL, ModelSpec, load_model, resolve_device
+from .profiling import BatchProfiler, ProfilerBusy, ProfileStatus
+from .quantization import quantize_int8
 from .text import TextModel
 
 __all__ = [
     "BUNDLED_MODEL",
     "ArchitectureShape",
+    "BatchProfiler",
     "DeviceError",
     "InputTooLong",
     "Item",
@@ -25,9 +29,14 @@ __all__ = [
     "ModelLoadError",
     "ModelOutOfMemory",
     "ModelSpec",
+    "ProfileStatus",
+    "ProfilerBusy",
     "TextModel",
     "is_out_of_memory",
+    "load_entry_point",
     "load_model",
+    "parse_entry_point",
+    "quantize_int8",
     "resolve_device",
     "translate_error",
 ]

@@ -37,6 +37,7 @@ class ModelInfo:
     num_parameters: int
     output_dim: int | None
     shape: ArchitectureShape
+    quantize: str = "none"
 
 
 @runtime_checkable

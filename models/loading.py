@@ -17,8 +17,10 @@ from transformers import (
 )
 from transformers.utils import logging as transformers_logging
 
-from .base import ArchitectureShape
+from .base import ArchitectureShape, Model
+from .custom import is_entry_point, load_entry_point
 from .errors import ModelLoadError
+from .quantization import check_quantize, module_bytes, quantize_int8
 from .text import TextModel, make_classifier_postprocess, mean_pool_normalize
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ class ModelSpec:
     device: str = "auto"
     dtype: str = "float32"
     max_input_tokens: int | None = None
+    quantize: str = "none"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -86,7 +89,7 @@ def detect_task(config: PretrainedConfig, task: str) -> str:
 
 def architecture_shape(config: PretrainedConfig, module: torch.nn.Module) -> ArchitectureShape:
     hidden = int(config.hidden_size)
-    parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    parameter_bytes = module_bytes(module)
     return ArchitectureShape(
         hidden_size=hidden,
         num_layers=int(getattr(config, "num_hidden_layers", 1)),
@@ -110,13 +113,17 @@ def model_max_tokens(path: str, config: PretrainedConfig, tokenizer_max: float) 
     return min(limits)
 
 
-def load_model(spec: ModelSpec) -> TextModel:
-    """Load the model named by ``spec`` (safetensors only, no remote code)."""
+def load_model(spec: ModelSpec) -> Model:
+    """Load the model named by ``spec`` (safetensors only, no remote code), or call the
+    factory of a ``python:package.module:factory`` entry point."""
+    if is_entry_point(spec.model):
+        return load_entry_point(spec)
     path = resolve_model_path(spec.model)
     device = resolve_device(spec.device)
     if spec.dtype not in _DTYPES:
         raise ModelLoadError(f"unknown dtype {spec.dtype!r}; expected one of {', '.join(_DTYPES)}")
     dtype = _DTYPES[spec.dtype]
+    check_quantize(spec.quantize, device, dtype)
     log.info("loading model %s from %s on %s (%s)", spec.model, path, device, spec.dtype)
     transformers_logging.disable_progress_bar()
     try:
@@ -134,6 +141,8 @@ def load_model(spec: ModelSpec) -> TextModel:
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"model {spec.model!r} has no fast tokenizer (tokenizer.json)")
     module.eval().to(device)
+    if spec.quantize == "int8":
+        module = quantize_int8(module)
 
     model_limit = model_max_tokens(path, config, tokenizer.model_max_length)
     max_input_tokens = min(spec.max_input_tokens or model_limit, model_limit)
@@ -155,4 +164,5 @@ def load_model(spec: ModelSpec) -> TextModel:
         output_dim=output_dim,
         shape=architecture_shape(config, module),
         device=device,
+        quantize=spec.quantize,
     )

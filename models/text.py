@@ -57,6 +57,7 @@ class TextModel:
         output_dim: int | None,
         shape: ArchitectureShape,
         device: torch.device,
+        quantize: str = "none",
     ) -> None:
         self._module = module
         self._device = device
@@ -76,9 +77,10 @@ class TextModel:
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
             max_input_tokens=max_input_tokens,
-            num_parameters=sum(p.numel() for p in module.parameters()),
+            num_parameters=_num_parameters(module),
             output_dim=output_dim,
             shape=shape,
+            quantize=quantize,
         )
 
     def prepare(self, inputs: Sequence[str], *, truncate: bool) -> list[Item]:
@@ -130,3 +132,14 @@ class TextModel:
             # frames holding the failed batch's tensors) stays reachable from our error.
             raise error
         return results
+
+
+def _num_parameters(module: torch.nn.Module) -> int:
+    """Parameters, counting the packed weights of dynamically quantized linear layers."""
+    total = sum(p.numel() for p in module.parameters())
+    for sub in module.modules():
+        packed = getattr(sub, "_packed_params", None)
+        if packed is not None and hasattr(packed, "_weight_bias"):
+            weight, bias = packed._weight_bias()
+            total += weight.numel() + (bias.numel() if bias is not None else 0)
+    return total

@@ -14,6 +14,8 @@ from starlette.responses import Response
 from batching import Clock, Sizer
 from models import Model
 
+from . import kserve_v2, openai_api
+from .admin import make_admin_router
 from .errors import install_error_handlers
 from .middleware import RequestContextMiddleware
 from .routes import metrics_response, router
@@ -66,6 +68,10 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(openai_api.router)
+    app.include_router(kserve_v2.router)
+    if settings.admin_token is not None:
+        app.include_router(make_admin_router(settings.admin_token.get_secret_value()))
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:

@@ -15,7 +15,8 @@ from .metrics import ServerMetrics
 
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # Endpoints whose requests we count; anything else is "other" (keeps label cardinality low).
-COUNTED_ENDPOINTS = frozenset({"/v1/infer", "/v1/models"})
+COUNTED_ENDPOINTS = frozenset({"/v1/infer", "/v1/models", "/v1/embeddings"})
+V2_INFER = "/v2/models/{name}/infer"
 REJECTION_REASON = {
     "overloaded": "queue_full",
     "draining": "draining",
@@ -54,7 +55,7 @@ class RequestContextMiddleware:
         state: dict[str, Any] = scope.setdefault("state", {})
         state["request_id"] = request_id
         path = scope["path"]
-        endpoint = path if path in COUNTED_ENDPOINTS else "other"
+        endpoint = path if path in COUNTED_ENDPOINTS else _v2_endpoint(path)
         started = time.perf_counter()
         status = 500
 
@@ -103,6 +104,11 @@ class RequestContextMiddleware:
         reason = REJECTION_REASON.get(error_type)
         if reason is not None:
             self.metrics.rejections.labels(reason).inc()
+
+
+def _v2_endpoint(path: str) -> str:
+    """One label for every model's v2 infer path, so cardinality stays low."""
+    return V2_INFER if path.startswith("/v2/models/") and path.endswith("/infer") else "other"
 
 
 def _request_id(header: bytes | None) -> str:

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -23,7 +24,7 @@ from batching import (
     ShuttingDown,
     Sizer,
 )
-from models import DeviceError, Model, ModelOutOfMemory, load_model
+from models import BatchProfiler, DeviceError, Model, ModelOutOfMemory, load_model
 
 from .errors import ApiError, not_ready
 from .metrics import ServerMetrics
@@ -61,6 +62,8 @@ class Runtime:
         )
         self.queue = RequestQueue(settings.max_queue_items)
         self.model_thread = ModelThread()
+        # Wraps the batcher's forward calls, so traces are recorded on the model thread.
+        self.profiler = BatchProfiler(Path(settings.profile_dir))
         self.batcher: Batcher | None = None
         self.startup_error: BaseException | None = None
         self._on_fatal = on_fatal
@@ -103,7 +106,7 @@ class Runtime:
         await self._warm_up()
         self.batcher = Batcher(
             queue=self.queue,
-            forward=self.model.forward,
+            forward=self.profiler.wrap(self.model.forward),
             model_thread=self.model_thread,
             sizer=self.sizer,
             clock=self.clock,

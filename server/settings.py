@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batching import BatcherConfig
@@ -19,15 +19,27 @@ class Settings(BaseSettings):
 
     model: str = Field(
         BUNDLED_MODEL,
-        description="Model to serve: the bundled all-MiniLM-L6-v2, a local Hugging Face folder "
-        "or a hub name (safetensors only).",
+        description="Model to serve: the bundled all-MiniLM-L6-v2, a local Hugging Face folder, "
+        "a hub name (safetensors only) or python:package.module:factory (a custom model).",
     )
     task: Literal["auto", "embed", "classify"] = Field(
         "auto", description="embed (mean-pooled, normalised) or classify; auto reads the config."
     )
     device: str = Field("auto", description="cuda, cuda:N or cpu; auto picks CUDA if present.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(
-        "float32", description="Weights and activations dtype."
+        "float32",
+        description="Weights and activations dtype: float16 for CUDA, bfloat16 on CPU or CUDA.",
+    )
+    quantize: Literal["none", "int8"] = Field(
+        "none",
+        description="int8: torch dynamic quantization of the linear layers (CPU, float32 only).",
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Bearer token for the /admin endpoints (profiling); unset, they do not exist.",
+    )
+    profile_dir: str = Field(
+        "batchfit-profiles", description="Folder the profiler writes its trace files to."
     )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
@@ -80,6 +92,7 @@ class Settings(BaseSettings):
             device=self.device,
             dtype=self.dtype,
             max_input_tokens=self.max_input_tokens,
+            quantize=self.quantize,
         )
 
     def batcher_config(self) -> BatcherConfig:

@@ -1,0 +1,74 @@
+"""Run one request's inputs through the runtime on behalf of any protocol's route."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import Request
+
+from .errors import ApiError
+from .runtime import Runtime
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer; its queued items were dropped."""
+
+
+def runtime_of(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def check_inputs(runtime: Runtime, inputs: Sequence[str], field: str = "inputs") -> None:
+    """The same limits as ``/v1/infer``: not empty, not too many, no empty string."""
+    limit = runtime.config.max_inputs_per_request
+    if not inputs:
+        raise ApiError(400, "empty_input", f"{field} is empty")
+    if len(inputs) > limit:
+        raise ApiError(
+            413, "too_many_inputs", f"{len(inputs)} inputs, more than the limit of {limit}"
+        )
+    empty = next((i for i, text in enumerate(inputs) if not text), None)
+    if empty is not None:
+        raise ApiError(400, "empty_input", f"input {empty} is an empty string")
+
+
+async def infer_for_request(
+    request: Request,
+    inputs: Sequence[str],
+    *,
+    request_id: str,
+    truncate: bool = True,
+    timeout_s: float | None = None,
+) -> tuple[list[Any], int]:
+    """Queue the inputs (same queue, batcher and model thread as ``/v1/infer``) and wait,
+    dropping them if the client disconnects. Returns the outputs and the token count."""
+    runtime = runtime_of(request)
+    config = runtime.config
+    timeout_s = min(timeout_s or config.default_timeout_s, config.max_timeout_s)
+    work = asyncio.ensure_future(
+        runtime.infer(inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id)
+    )
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    if work.cancelled():
+        request.state.error_type = "client_disconnected"
+        raise ClientDisconnected
+    outputs, num_tokens = work.result()
+    runtime.metrics.inputs.inc(len(outputs))
+    runtime.metrics.input_tokens.inc(num_tokens)
+    return outputs, num_tokens
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,365 @@
+"""Open Inference Protocol (KServe v2) REST: health, metadata and inference.
+
+Text goes in as one BYTES tensor named ``text``; embeddings come out as an FP32 tensor
+``embedding`` of shape [N, dim] (classifiers: BYTES ``label`` and FP32 ``score``). Errors are
+``{"error": message}`` as the protocol defines. Triton's binary tensor data extension is
+supported for inputs and outputs, so tritonclient works with its defaults.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from starlette.responses import Response
+
+from models import ModelInfo
+
+from .errors import ApiError, not_ready, request_id_of
+from .inference import check_inputs, infer_for_request, runtime_of
+from .kserve_schemas import (
+    HEADER_LENGTH,
+    REQUEST_BODY,
+    InferenceRequest,
+    InferenceResponse,
+    LiveResponse,
+    ModelMetadata,
+    ModelReadyResponse,
+    ReadyResponse,
+    ServerMetadata,
+    V2Error,
+)
+from .protocol_routes import describe_pydantic, protocol_route, retry_headers
+
+INPUT_NAME = "text"
+MODEL_VERSION = "1"
+
+
+def v2_error_response(request: Request, error: ApiError) -> Response:
+    return Response(
+        orjson.dumps({"error": error.message}),
+        status_code=error.status,
+        headers=retry_headers(error),
+        media_type="application/json",
+    )
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": V2Error, "description": description}
+    for code, description in {
+        400: "Bad request: body, tensor name, datatype, shape or parameters",
+        404: "No such model or version",
+        413: "Body, input count or input length too large",
+        429: "Queue full; see Retry-After",
+        503: "Not ready or draining; see Retry-After",
+        504: "Deadline passed",
+        507: "An input does not fit in memory even alone",
+        500: "Unexpected error",
+    }.items()
+}
+
+router = APIRouter(tags=["Open Inference Protocol v2"], route_class=protocol_route(
+    v2_error_response, validation_status=400
+))  # fmt: skip
+
+
+def _json(body: Any, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status_code, media_type="application/json")
+
+
+def _model_info(request: Request, name: str, version: str | None = None) -> ModelInfo:
+    runtime = runtime_of(request)
+    if runtime.model is None:
+        raise not_ready()
+    info = runtime.model.info
+    if name != info.name:
+        raise ApiError(404, "not_found", f"model {name!r} is not served here; try {info.name!r}")
+    if version is not None and version != MODEL_VERSION:
+        raise ApiError(404, "not_found", f"model {name!r} has no version {version!r}")
+    return info
+
+
+def _outputs_of(info: ModelInfo) -> list[dict[str, Any]]:
+    if info.task == "classify":
+        return [
+            {"name": "label", "datatype": "BYTES", "shape": [-1]},
+            {"name": "score", "datatype": "FP32", "shape": [-1]},
+        ]
+    return [{"name": "embedding", "datatype": "FP32", "shape": [-1, info.output_dim or -1]}]
+
+
+@router.get("/v2", response_model=ServerMetadata, summary="Server metadata")
+async def server_metadata(request: Request) -> Response:
+    return _json({"name": "batchfit", "version": request.app.version, "extensions": ["binary_tensor_data"]})
+
+
+@router.get("/v2/health/live", response_model=LiveResponse, summary="Server live")
+async def server_live() -> Response:
+    return _json({"live": True})
+
+
+@router.get(
+    "/v2/health/ready",
+    response_model=ReadyResponse,
+    responses={503: {"model": ReadyResponse, "description": "Not ready"}},
+    summary="Server ready (200 ready, 503 not)",
+)
+async def server_ready(request: Request) -> Response:
+    ready = runtime_of(request).ready
+    return _json({"ready": ready}, 200 if ready else 503)
+
+
+@router.get(
+    "/v2/models/{name:path}/versions/{version}/ready",
+    response_model=ModelReadyResponse, responses=ERRORS, summary="Model version ready",
+)  # fmt: skip
+async def model_version_ready(request: Request, name: str, version: str) -> Response:
+    return _ready(request, name, version)
+
+
+@router.get(
+    "/v2/models/{name:path}/ready",
+    response_model=ModelReadyResponse, responses=ERRORS, summary="Model ready",
+)  # fmt: skip
+async def model_ready(request: Request, name: str) -> Response:
+    return _ready(request, name, None)
+
+
+def _ready(request: Request, name: str, version: str | None) -> Response:
+    ready = runtime_of(request).ready
+    info = _model_info(request, name, version)
+    return _json({"name": info.name, "ready": ready}, 200 if ready else 503)
+
+
+@router.post(
+    "/v2/models/{name:path}/versions/{version}/infer",
+    response_model=InferenceResponse, responses=ERRORS, openapi_extra=REQUEST_BODY,
+    summary="Infer with a model version",
+)  # fmt: skip
+async def model_version_infer(request: Request, name: str, version: str) -> Response:
+    return await _infer(request, name, version)
+
+
+@router.post(
+    "/v2/models/{name:path}/infer",
+    response_model=InferenceResponse, responses=ERRORS, openapi_extra=REQUEST_BODY,
+    summary="Infer",
+)  # fmt: skip
+async def model_infer(request: Request, name: str) -> Response:
+    return await _infer(request, name, None)
+
+
+async def _infer(request: Request, name: str, version: str | None) -> Response:
+    info = _model_info(request, name, version)
+    if not runtime_of(request).ready:
+        raise not_ready()
+    raw = await request.body()
+    body, binary = _split_body(raw, request.headers.get(HEADER_LENGTH))
+    try:
+        infer_request = InferenceRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise ApiError(400, "invalid_request", describe_pydantic(exc)) from None
+    texts = _texts(infer_request, binary)
+    check_inputs(runtime_of(request), texts, field="input 'text'")
+    parameters = infer_request.parameters or {}
+    truncate = parameters.get("truncate", True)
+    timeout_s = parameters.get("timeout_s")
+    if not isinstance(truncate, bool):
+        raise ApiError(400, "invalid_request", "parameter truncate must be a boolean")
+    if timeout_s is not None and (
+        not isinstance(timeout_s, int | float) or not math.isfinite(timeout_s) or timeout_s <= 0
+    ):
+        raise ApiError(400, "invalid_request", "parameter timeout_s must be a positive number")
+    outputs, _ = await infer_for_request(
+        request, texts, request_id=request_id_of(request), truncate=truncate, timeout_s=timeout_s
+    )
+    tensors = _output_tensors(info, outputs)
+    wanted = _requested_outputs(infer_request, tensors, parameters)
+    return _response(info, infer_request.id, wanted)
+
+
+def _split_body(raw: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+    if header_length is None:
+        return raw, b""
+    if not header_length.isdigit() or int(header_length) > len(raw):
+        raise ApiError(400, "invalid_request", f"bad {HEADER_LENGTH} header {header_length!r}")
+    split = int(header_length)
+    return raw[:split], raw[split:]
+
+
+def _texts(request: InferenceRequest, binary: bytes) -> list[str]:
+    if len(request.inputs) != 1 or request.inputs[0].name != INPUT_NAME:
+        names = [tensor.name for tensor in request.inputs]
+        raise ApiError(
+            400, "invalid_request",
+            f"expected exactly one input tensor named {INPUT_NAME!r}, got {names}",
+        )  # fmt: skip
+    tensor = request.inputs[0]
+    if tensor.datatype != "BYTES":
+        raise ApiError(
+            400, "invalid_request", f"input {INPUT_NAME!r} must be BYTES, not {tensor.datatype}"
+        )
+    count = math.prod(tensor.shape)
+    binary_size = (tensor.parameters or {}).get("binary_data_size")
+    if binary_size is not None:
+        if not isinstance(binary_size, int) or binary_size != len(binary):
+            raise ApiError(400, "invalid_request", "binary_data_size does not match the body")
+        elements = _decode_binary_bytes(binary)
+    elif tensor.data is None:
+        raise ApiError(400, "invalid_request", f"input {INPUT_NAME!r} has no data")
+    else:
+        elements = _flatten(tensor.data)
+    if len(elements) != count:
+        raise ApiError(
+            400, "invalid_request",
+            f"input {INPUT_NAME!r} has shape {tensor.shape} ({count} elements) but "
+            f"{len(elements)} values",
+        )  # fmt: skip
+    texts = []
+    for index, element in enumerate(elements):
+        if isinstance(element, bytes):
+            try:
+                element = element.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ApiError(400, "invalid_request", f"element {index} is not UTF-8") from None
+        if not isinstance(element, str):
+            raise ApiError(400, "invalid_request", f"element {index} of a BYTES tensor is not text")
+        texts.append(element)
+    return texts
+
+
+def _flatten(data: list[Any]) -> list[Any]:
+    flat: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for value in stack[-1]:
+            if isinstance(value, list):
+                stack.append(iter(value))
+                break
+            flat.append(value)
+        else:
+            stack.pop()
+    return flat
+
+
+def _decode_binary_bytes(buffer: bytes) -> list[bytes]:
+    """Triton's BYTES wire format: each element is a 4-byte little-endian length and bytes."""
+    elements, offset = [], 0
+    while offset < len(buffer):
+        if offset + 4 > len(buffer):
+            raise ApiError(400, "invalid_request", "truncated BYTES element length")
+        size = int.from_bytes(buffer[offset : offset + 4], "little")
+        offset += 4
+        if offset + size > len(buffer):
+            raise ApiError(400, "invalid_request", "truncated BYTES element")
+        elements.append(buffer[offset : offset + size])
+        offset += size
+    return elements
+
+
+def _output_tensors(info: ModelInfo, outputs: list[Any]) -> dict[str, tuple[str, np.ndarray]]:
+    if info.task == "classify":
+        labels = np.array([str(o["label"]) for o in outputs], dtype=object)
+        scores = np.array([o["score"] for o in outputs], dtype="<f4")
+        return {"label": ("BYTES", labels), "score": ("FP32", scores)}
+    return {"embedding": ("FP32", np.stack([np.asarray(o, dtype="<f4") for o in outputs]))}
+
+
+def _requested_outputs(
+    request: InferenceRequest,
+    tensors: dict[str, tuple[str, np.ndarray]],
+    parameters: dict[str, Any],
+) -> list[tuple[str, str, np.ndarray, bool]]:
+    binary_default = bool(parameters.get("binary_data_output", False))
+    if not request.outputs:
+        return [(name, kind, array, binary_default) for name, (kind, array) in tensors.items()]
+    wanted = []
+    for output in request.outputs:
+        if output.name not in tensors:
+            raise ApiError(
+                400, "invalid_request",
+                f"unknown output {output.name!r}; this model has {sorted(tensors)}",
+            )  # fmt: skip
+        kind, array = tensors[output.name]
+        binary = (output.parameters or {}).get("binary_data", binary_default)
+        wanted.append((output.name, kind, array, bool(binary)))
+    return wanted
+
+
+def _response(
+    info: ModelInfo, request_id: str | None, outputs: list[tuple[str, str, np.ndarray, bool]]
+) -> Response:
+    tensors, chunks = [], []
+    for name, kind, array, binary in outputs:
+        tensor: dict[str, Any] = {"name": name, "datatype": kind, "shape": list(array.shape)}
+        if binary:
+            chunk = _encode_binary(kind, array)
+            tensor["parameters"] = {"binary_data_size": len(chunk)}
+            chunks.append(chunk)
+        elif kind == "BYTES":
+            tensor["data"] = [str(value) for value in array.reshape(-1)]
+        else:
+            tensor["data"] = array.reshape(-1)
+        tensors.append(tensor)
+    body: dict[str, Any] = {"model_name": info.name, "model_version": MODEL_VERSION}
+    if request_id is not None:
+        body["id"] = request_id
+    body["outputs"] = tensors
+    header = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not chunks:
+        return Response(header, media_type="application/json")
+    return Response(
+        header + b"".join(chunks),
+        media_type="application/octet-stream",
+        headers={HEADER_LENGTH: str(len(header))},
+    )
+
+
+def _encode_binary(kind: str, array: np.ndarray) -> bytes:
+    if kind == "BYTES":
+        parts = []
+        for value in array.reshape(-1):
+            encoded = str(value).encode("utf-8")
+            parts.append(len(encoded).to_bytes(4, "little") + encoded)
+        return b"".join(parts)
+    return np.ascontiguousarray(array, dtype="<f4").tobytes()
+
+
+@router.get(
+    "/v2/models/{name:path}/versions/{version}",
+    response_model=ModelMetadata, responses=ERRORS, summary="Model version metadata",
+)  # fmt: skip
+async def model_version_metadata(request: Request, name: str, version: str) -> Response:
+    return _metadata(request, name, version)
+
+
+@router.get(
+    "/v2/models/{name:path}", response_model=ModelMetadata, responses=ERRORS,
+    summary="Model metadata",
+)  # fmt: skip
+async def model_metadata(request: Request, name: str) -> Response:
+    return _metadata(request, name, None)
+
+
+def _metadata(request: Request, name: str, version: str | None) -> Response:
+    info = _model_info(request, name, version)
+    return _json(
+        {
+            "name": info.name,
+            "versions": [MODEL_VERSION],
+            "platform": "pytorch",
+            "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
+            "outputs": _outputs_of(info),
+            "parameters": {
+                "task": info.task,
+                "device": info.device,
+                "dtype": info.dtype,
+                "quantize": info.quantize,
+                "max_input_tokens": info.max_input_tokens,
+            },
+        }
+    )

@@ -1,0 +1,168 @@
+"""OpenAI-compatible ``POST /v1/embeddings``, through the same queue and batcher.
+
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with our
+``error_type`` as ``code``, so the official client raises its usual exceptions.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from .errors import ApiError, not_ready, request_id_of
+from .inference import check_inputs, infer_for_request, runtime_of
+from .protocol_routes import protocol_route, retry_headers
+
+OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error"}
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="One text or a list of texts (token-id arrays are refused with 400)."
+    )
+    model: str = Field(description="The served model's name, as GET /v1/models lists it.")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: lists of numbers; base64: little-endian float32 bytes."
+    )
+    dimensions: int | None = Field(None, description="Not supported: any value gets 400.")
+    user: str | None = Field(None, description="Accepted and ignored.")
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class OpenAIErrorBody(BaseModel):
+    error: OpenAIError
+
+
+def openai_error_response(request: Request, error: ApiError, param: str | None = None) -> Response:
+    if error.status >= 500:
+        kind = "server_error"
+    elif error.status == 429:
+        kind = "rate_limit_error"
+    else:
+        kind = OPENAI_ERROR_TYPES.get(error.status, "invalid_request_error")
+    body = {
+        "error": {
+            "message": error.message,
+            "type": kind,
+            "param": getattr(error, "param", param),
+            "code": error.error_type,
+        }
+    }
+    return Response(
+        orjson.dumps(body),
+        status_code=error.status,
+        headers=retry_headers(error),
+        media_type="application/json",
+    )
+
+
+class ParamError(ApiError):
+    def __init__(self, status: int, error_type: str, message: str, param: str) -> None:
+        super().__init__(status, error_type, message)
+        self.param = param
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": OpenAIErrorBody, "description": description}
+    for code, description in {
+        400: "Bad request: unparsable body, schema error, empty input, dimensions, token ids",
+        404: "The model named is not the one served",
+        413: "Body, input count or input length too large",
+        429: "Queue full; see Retry-After",
+        503: "Not ready or draining; see Retry-After",
+        504: "Deadline passed",
+        507: "An input does not fit in memory even alone",
+        500: "Unexpected error",
+    }.items()
+}
+
+router = APIRouter(
+    tags=["OpenAI"], route_class=protocol_route(openai_error_response, validation_status=400)
+)
+
+
+@router.post(
+    "/v1/embeddings",
+    response_model=EmbeddingResponse,
+    responses=ERROR_RESPONSES,
+    summary="Create embeddings (OpenAI-compatible)",
+)
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    runtime = runtime_of(request)
+    if runtime.model is None:
+        raise not_ready()
+    info = runtime.model.info
+    if body.dimensions is not None:
+        raise ParamError(
+            400, "unsupported_parameter",
+            f"dimensions is not supported: {info.name} returns {info.output_dim}-dimensional "
+            "embeddings; leave dimensions unset", "dimensions",
+        )  # fmt: skip
+    if body.model != info.name:
+        raise ParamError(
+            404, "model_not_found", f"model {body.model!r} is not served here; this replica "
+            f"serves {info.name!r}", "model",
+        )  # fmt: skip
+    if info.task != "embed":
+        raise ParamError(
+            400, "wrong_task", f"{info.name} is a {info.task} model, not an embedding model",
+            "model",
+        )  # fmt: skip
+    inputs = [body.input] if isinstance(body.input, str) else body.input
+    if any(not isinstance(text, str) for text in inputs):
+        raise ParamError(
+            400, "unsupported_input", "token-id arrays are not supported; send text", "input"
+        )
+    check_inputs(runtime, inputs, field="input")
+    outputs, num_tokens = await infer_for_request(
+        request, inputs, request_id=request_id_of(request)
+    )
+    data = []
+    for index, output in enumerate(outputs):
+        vector = np.asarray(output, dtype="<f4")
+        if body.encoding_format == "base64":
+            embedding: Any = base64.b64encode(vector.tobytes()).decode("ascii")
+        else:
+            embedding = vector
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+    payload = {
+        "object": "list",
+        "data": data,
+        "model": info.name,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    }
+    return Response(
+        orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
+    )
