@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from typing import TYPE_CHECKING
 
 from .base import Model
@@ -37,6 +39,10 @@ def load_entry_point(spec: ModelSpec) -> Model:
     max_input_tokens); one that takes none is called without it.
     """
     module_name, attribute = parse_entry_point(spec.model)
+    # As uvicorn does for its app: the working directory is importable, also from the
+    # ``batchfit`` console script (which, unlike ``python -m``, does not put it on the path).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -94,7 +94,9 @@ def _outputs_of(info: ModelInfo) -> list[dict[str, Any]]:
 
 @router.get("/v2", response_model=ServerMetadata, summary="Server metadata")
 async def server_metadata(request: Request) -> Response:
-    return _json({"name": "batchfit", "version": request.app.version, "extensions": ["binary_tensor_data"]})
+    return _json(
+        {"name": "batchfit", "version": request.app.version, "extensions": ["binary_tensor_data"]}
+    )
 
 
 @router.get("/v2/health/live", response_model=LiveResponse, summary="Server live")

@@ -1,0 +1,1 @@
+"""Example custom models for ``--model python:examples.<module>:<factory>``."""
