@@ -26,8 +26,9 @@ def check_quantize(mode: str, device: torch.device, dtype: torch.dtype) -> None:
 
 
 def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
-    """Replace every ``nn.Linear`` by a dynamically quantized one (int8 weights, activations
-    quantized per batch at run time); other layers stay float32.
+    """Replace every ``nn.Linear`` by a dynamically quantized one (int8 weights with one scale
+    per output channel, activations quantized per batch at run time); other layers stay
+    float32.
 
     NOTE: torch marks ``torch.ao.quantization`` deprecated in favour of torchao's
     ``quantize_``. We keep torch's own kernels because torchao's int8 dynamic config runs
@@ -37,9 +38,15 @@ def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*", category=UserWarning)
-        from torch.ao.quantization import quantize_dynamic
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-        return quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8, inplace=False)
+        # Per-channel weight scales: per-tensor ones cost MiniLM about 0.03 of mean cosine.
+        return quantize_dynamic(
+            module,
+            {torch.nn.Linear: per_channel_dynamic_qconfig},
+            dtype=torch.qint8,
+            inplace=False,
+        )
 
 
 def module_bytes(module: torch.nn.Module) -> int:

@@ -1,0 +1,1 @@
+"""Measurement scripts (run as ``python -m scripts.<name>`` from the repository root)."""
