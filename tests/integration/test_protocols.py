@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -247,3 +249,30 @@ def test_all_protocols_share_one_queue_and_batcher(server):
     for endpoint in ("/v1/embeddings", "/v2/models/{name}/infer"):
         labels = f'code="200",endpoint="{endpoint}",error_type=""'
         assert metric(after, "batchfit_requests_total", labels) >= 12
+
+
+def test_profiling_the_next_batches_writes_a_trace(server):
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    url = f"{server.url}/admin/profile"
+    assert httpx.post(url, json={"num_batches": 2}).status_code == 401
+    armed = httpx.post(url, json={"num_batches": 2}, headers=auth)
+    assert armed.status_code == 202, armed.text
+    for text in SENTENCES[:2]:  # one request at a time: two batches
+        response = httpx.post(f"{server.url}/v1/infer", json={"inputs": [text]}, timeout=60)
+        assert response.status_code == 200
+    deadline = time.monotonic() + 30
+    while (status := httpx.get(url, headers=auth).json())["state"] != "idle":
+        assert time.monotonic() < deadline, status
+        time.sleep(0.05)
+    assert status["last_error"] is None
+    trace_path = Path(status["last_trace_path"])
+    assert trace_path == Path(armed.json()["trace_path"])
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    batches = [e for e in events if e.get("name", "").startswith("batchfit_batch[")]
+    assert len(batches) == 2
+    # The forward's aten ops ran on the same thread as the batch markers: the model thread.
+    batch_threads = {e["tid"] for e in batches}
+    assert len(batch_threads) == 1
+    linear = [e for e in events if e.get("name") == "aten::linear"]
+    assert linear and {e["tid"] for e in linear} == batch_threads
+    assert "wrote a profile of 2 batches" in server.log()
