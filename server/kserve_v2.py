@@ -176,6 +176,12 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         not isinstance(timeout_s, int | float) or not math.isfinite(timeout_s) or timeout_s <= 0
     ):
         raise ApiError(400, "invalid_request", "parameter timeout_s must be a positive number")
+    known = [tensor["name"] for tensor in _outputs_of(info)]
+    for output in infer_request.outputs or []:
+        if output.name not in known:
+            raise ApiError(
+                400, "invalid_request", f"unknown output {output.name!r}; this model has {known}"
+            )
     outputs, _ = await infer_for_request(
         request, texts, request_id=request_id_of(request), truncate=truncate, timeout_s=timeout_s
     )

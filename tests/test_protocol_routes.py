@@ -172,6 +172,7 @@ def test_openapi_describes_every_route():
         (v2_body(["a"], parameters={"truncate": "yes"}), "truncate must be a boolean"),
         (v2_body(["a"], parameters={"timeout_s": -1}), "timeout_s must be a positive"),
         ({"inputs": []}, "exactly one input"),
+        (v2_body(["a"], outputs=[{"name": "logits"}]), "unknown output 'logits'"),
     ],
 )  # fmt: skip
 async def test_v2_bad_requests(registry, body, message):
