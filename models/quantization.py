@@ -27,8 +27,8 @@ def check_quantize(mode: str, device: torch.device, dtype: torch.dtype) -> None:
 
 def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
     """Replace every ``nn.Linear`` by a dynamically quantized one (int8 weights with one scale
-    per output channel, activations quantized per batch at run time); other layers stay
-    float32.
+    per output channel, activations quantized per batch at run time), in place so that no
+    float32 copy raises the peak at load; other layers stay float32.
 
     NOTE: torch marks ``torch.ao.quantization`` deprecated in favour of torchao's
     ``quantize_``. We keep torch's own kernels because torchao's int8 dynamic config runs
@@ -45,7 +45,7 @@ def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
             module,
             {torch.nn.Linear: per_channel_dynamic_qconfig},
             dtype=torch.qint8,
-            inplace=False,
+            inplace=True,
         )
 
 

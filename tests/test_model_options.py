@@ -74,8 +74,6 @@ def test_int8_quantizes_every_linear_layer_and_agrees_with_float32(float32_model
     agreement = cosines(out, reference)
     assert agreement.min() >= MIN_COSINE["int8"]
     assert agreement.mean() >= MEAN_COSINE_INT8
-    # The float32 model itself is untouched (quantize_dynamic works on a copy).
-    assert np.allclose(embed(float32_model), reference, atol=1e-6)
 
 
 @pytest.mark.parametrize(
