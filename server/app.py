@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, disable_created_metrics
 from starlette.responses import Response
 
-from batching import Clock, Sizer
+from batching import Clock, MemoryProbe, Sizer
 from models import Model
 
 from .errors import install_error_handlers
@@ -27,7 +27,7 @@ def create_app(
     settings: Settings,
     *,
     model: Model | None = None,
-    probe: object | None = None,
+    probe: MemoryProbe | None = None,
     clock: Clock | None = None,
     registry: CollectorRegistry | None = None,
     sizer: Sizer | None = None,
@@ -39,7 +39,13 @@ def create_app(
     disable_created_metrics()
     registry = registry if registry is not None else CollectorRegistry()
     runtime = Runtime(
-        settings, registry=registry, model=model, clock=clock, sizer=sizer, on_fatal=on_fatal
+        settings,
+        registry=registry,
+        model=model,
+        clock=clock,
+        sizer=sizer,
+        probe=probe,
+        on_fatal=on_fatal,
     )
 
     @contextlib.asynccontextmanager

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ByteSize, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from batching import BatcherConfig
+from batching import AdaptiveConfig, BatcherConfig
 from models import BUNDLED_MODEL, ModelSpec
 
 
@@ -60,6 +60,34 @@ class Settings(BaseSettings):
     max_timeout_s: float = Field(
         300.0, gt=0, description="Cap on a request's timeout_s (longer values are capped)."
     )
+    sizer: Literal["adaptive", "fixed"] = Field(
+        "adaptive",
+        description="adaptive sizes each batch from live memory readings; fixed uses only "
+        "max_batch_size and max_batch_tokens.",
+    )
+    memory_headroom: float = Field(
+        0.15,
+        ge=0,
+        lt=1,
+        description="Share of the free memory the adaptive sizer leaves unused.",
+    )
+    memory_limit: ByteSize | None = Field(
+        None,
+        description="Most memory the server lets itself use (e.g. 2GiB): caps the batch budget, "
+        "and on CPU also sets an address-space limit once the model is loaded, so a runaway "
+        "batch gets a real allocation failure instead of swapping the host.",
+    )
+    target_latency_ms: float | None = Field(
+        None,
+        gt=0,
+        description="Optional cap on a batch's compute time: padded tokens shrink after a "
+        "slower batch and grow back after faster ones (AIMD).",
+    )
+    oom_split: bool = Field(
+        True,
+        description="Retry a batch that ran out of memory as two halves, down to one input; "
+        "off fails the whole batch with 507, as most servers do.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
@@ -83,7 +111,15 @@ class Settings(BaseSettings):
         )
 
     def batcher_config(self) -> BatcherConfig:
-        return BatcherConfig(max_wait_s=self.max_wait_ms / 1000)
+        return BatcherConfig(max_wait_s=self.max_wait_ms / 1000, oom_split=self.oom_split)
+
+    def adaptive_config(self) -> AdaptiveConfig:
+        return AdaptiveConfig(
+            max_items=self.max_batch_size,
+            max_tokens=self.max_batch_tokens,
+            headroom_fraction=self.memory_headroom,
+            target_latency_s=self.target_latency_ms / 1000 if self.target_latency_ms else None,
+        )
 
     def server_config(self) -> ServerConfig:
         return ServerConfig(
