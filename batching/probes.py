@@ -148,13 +148,17 @@ class TorchCudaProbe:
 
     name = "torch.cuda"
 
-    def __init__(self, device: str, *, memory_limit_bytes: int | None = None) -> None:
-        import torch
+    def __init__(
+        self, device: str, *, memory_limit_bytes: int | None = None, cuda: object | None = None
+    ) -> None:
+        if cuda is None:
+            import torch
 
-        if not torch.cuda.is_available():
+            cuda = torch.cuda
+        if not cuda.is_available():
             raise ProbeError("CUDA is not available")
-        self._cuda = torch.cuda
-        self._device = torch.device(device)
+        self._cuda = cuda
+        self._device = device
         self.memory_limit_bytes = memory_limit_bytes
 
     def read(self) -> MemoryReading:
@@ -292,12 +296,21 @@ def probes_for_device(device: str, *, memory_limit_bytes: int | None = None) -> 
     return CompositeProbe(probes)
 
 
-def limit_address_space(room_bytes: int, proc: Path = Path("/proc")) -> int:
+THREAD_RESERVE_BYTES = 256 * 2**20
+
+
+def limit_address_space(
+    room_bytes: int, *, reserve_bytes: int = THREAD_RESERVE_BYTES, proc: Path = Path("/proc")
+) -> int:
     """Cap this process's address space at its current size plus ``room_bytes``, so that a
     runaway batch gets a real allocation failure instead of swapping the host. Returns the
-    limit set."""
+    limit set.
+
+    ``reserve_bytes`` more is allowed for address space that is not memory: thread stacks
+    and malloc arenas of threads started later (OpenMP's pool at the first forward pass, the
+    tokenizer threads) reserve address space they never touch."""
     status = parse_kib_fields((proc / "self" / "status").read_text())
-    limit = status["VmSize"] + room_bytes
+    limit = status["VmSize"] + room_bytes + reserve_bytes
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
