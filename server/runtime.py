@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -72,6 +74,9 @@ class Runtime:
         )
         self.queue = RequestQueue(settings.max_queue_items)
         self.model_thread = ModelThread()
+        # Tokenizes large requests off the event loop; one thread, started before any
+        # memory limit applies (a capped address space may have no room for a new stack).
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="batchfit-tokenize")
         self.batcher: Batcher | None = None
         self.startup_error: BaseException | None = None
         self._on_fatal = on_fatal
@@ -111,12 +116,16 @@ class Runtime:
         self.metrics.model.info(
             {"name": info.name, "task": info.task, "device": info.device, "dtype": info.dtype}
         )
-        if self.probe is None and self.settings.sizer == "adaptive":
+        if self.probe is None:
             self.probe = probes_for_device(
                 info.device, memory_limit_bytes=self.settings.memory_limit
             )
         if self.sizer is None:
             self.sizer = make_sizer(self.settings, info)
+        # The first forward pass starts torch's thread pool; start every thread before a
+        # memory limit caps the address space.
+        await self.model_thread.call(self.model.forward, self.model.synthetic_items(1, 8))
+        await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, int)
         if self.settings.memory_limit is not None and info.device == "cpu":
             self._limit_host_memory(self.settings.memory_limit)
         self.batcher = Batcher(
@@ -162,8 +171,6 @@ class Runtime:
         if on_host:
             tune_host_allocator(measuring=True)
         try:
-            # One-time allocations (thread pools, kernel scratch) must not count as a peak.
-            await self.model_thread.call(self.model.forward, self.model.synthetic_items(1, 8))
             await self._calibrate(batcher)
         finally:
             if on_host:
@@ -177,9 +184,10 @@ class Runtime:
             budget = self.sizer.budget()
             lengths = [min(max_len, max(2, budget.max_tokens // budget.max_items))]
         for length in lengths:
+            cap = self.settings.max_batch_size
             while True:
                 budget = self.sizer.budget(self.probe.read() if self.probe else None)
-                num_items = max(1, largest_batch(budget, length))
+                num_items = max(1, min(cap, largest_batch(budget, length)))
                 items = self.model.synthetic_items(num_items, length)
                 try:
                     outcome = await batcher.run_calibration(items)
@@ -189,6 +197,7 @@ class Runtime:
                         log.warning("one input of %d tokens does not fit in memory", length)
                         break
                     log.info("warm-up batch of %d x %d ran out of memory", num_items, length)
+                    cap = num_items // 2  # a fixed sizer has no ceiling to lower
                     continue
                 if isinstance(self.sizer, AdaptiveSizer):
                     self.sizer.calibrate(outcome)
@@ -221,7 +230,11 @@ class Runtime:
                 await self._task
         if self.batcher is not None:
             self.batcher.fail_waiting(ShuttingDown("the server stopped before this input ran"))
-        await asyncio.to_thread(self.model_thread.close)
+        # Waits for a running forward pass on an existing thread (no new one under a limit).
+        await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_thread, self.model_thread.close
+        )
+        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     async def infer(
         self,
@@ -235,11 +248,12 @@ class Runtime:
         """Queue every input as one item and wait for all of them; return outputs and tokens."""
         if not self.ready or self.model is None:
             raise not_ready()
+        loop = asyncio.get_running_loop()
         if sum(len(text) for text in inputs) > INLINE_TOKENIZE_CHARS:
-            items = await asyncio.to_thread(self.model.prepare, inputs, truncate=truncate)
+            prepare = functools.partial(self.model.prepare, inputs, truncate=truncate)
+            items = await loop.run_in_executor(self.tokenizer_thread, prepare)
         else:
             items = self.model.prepare(inputs, truncate=truncate)
-        loop = asyncio.get_running_loop()
         now = self.clock.now()
         deadline = now + timeout_s
         pendings = [
