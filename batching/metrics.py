@@ -9,6 +9,8 @@ LATENCY_BUCKETS_S = (
     120.0, 300.0,
 )  # fmt: skip
 
+PADDING_RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0)
+
 
 def powers_of_two(maximum: int) -> tuple[float, ...]:
     """1, 2, 4, ... up to and including ``maximum`` (for batch sizes and tokens)."""
@@ -61,6 +63,12 @@ class BatchingMetrics:
         self.padded_tokens = Counter(
             "batchfit_batch_padded_tokens",
             "Padded tokens run through the model; divide by real tokens for the padding ratio.",
+            registry=registry,
+        )
+        self.padding_ratio = Histogram(
+            "batchfit_batch_padding_ratio",
+            "Padded over real tokens per forward pass (1 means no padding).",
+            buckets=PADDING_RATIO_BUCKETS,
             registry=registry,
         )
         self.batch_failures = Counter(
