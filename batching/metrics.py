@@ -9,6 +9,12 @@ LATENCY_BUCKETS_S = (
     120.0, 300.0,
 )  # fmt: skip
 
+
+def latency_buckets(max_s: float) -> tuple[float, ...]:
+    """The standard latency buckets below ``max_s`` (the longest request deadline), then it."""
+    return (*(b for b in LATENCY_BUCKETS_S if b < max_s), float(max_s))
+
+
 PADDING_RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0)
 
 
@@ -24,7 +30,14 @@ def powers_of_two(maximum: int) -> tuple[float, ...]:
 
 
 class BatchingMetrics:
-    def __init__(self, registry: CollectorRegistry, *, max_batch_size: int, max_batch_tokens: int):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        max_batch_size: int,
+        max_batch_tokens: int,
+        max_latency_s: float = LATENCY_BUCKETS_S[-1],
+    ) -> None:
         self.queue_depth = Gauge(
             "batchfit_queue_depth", "Items waiting in the queue.", registry=registry
         )
@@ -34,7 +47,7 @@ class BatchingMetrics:
         self.queue_wait = Histogram(
             "batchfit_queue_wait_seconds",
             "Time an item waited from admission to the start of its batch.",
-            buckets=LATENCY_BUCKETS_S,
+            buckets=latency_buckets(max_latency_s),
             registry=registry,
         )
         self.batch_size = Histogram(
