@@ -25,7 +25,7 @@ BAD_REQUESTS = [
     ({"inputs": "x", "input": "typo"}, 422, "invalid_request"),
     ({"inputs": ["x"] * (MAX_INPUTS + 1)}, 413, "too_many_inputs"),
     ({"inputs": ["x"] * (QUEUE_ITEMS + 1)}, 429, "overloaded"),  # more than the queue holds
-    ({"inputs": WORDS, "timeout_s": 1e-9}, 504, "deadline_exceeded"),
+    ({"inputs": WORDS, "timeout_s": 0.001}, 504, "deadline_exceeded"),
 ]
 SCRAPES_TIMEOUT_S = 90
 
