@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 log = logging.getLogger("batchfit")
 
 METRICS_PATH = "/metrics"
+TASK_NAME = "batchfit-metrics-server"
 
 
 class _MetricsServer(uvicorn.Server):
@@ -28,6 +29,24 @@ class _MetricsServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+class _QuietTask(logging.Filter):
+    """Drops uvicorn's INFO lines ("Started server process", "Shutting down") that come from
+    the metrics server's task, so the log shows them once, for the main server."""
+
+    def __init__(self, task_name: str) -> None:
+        super().__init__()
+        self.task_name = task_name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO:
+            return True
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no running loop: another thread
+            return True
+        return task is None or task.get_name() != self.task_name
 
 
 def metrics_app(registry: CollectorRegistry) -> ASGIApp:
@@ -78,7 +97,10 @@ async def serve_metrics(
         log_level=None,
     )
     server = _MetricsServer(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]), name="batchfit-metrics-server")
+    quiet = _QuietTask(TASK_NAME)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(quiet)
+    task = asyncio.create_task(server.serve(sockets=[sock]), name=TASK_NAME)
     try:
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
@@ -91,3 +113,4 @@ async def serve_metrics(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         sock.close()
+        uvicorn_log.removeFilter(quiet)

@@ -1,6 +1,7 @@
 """The metric set: names, buckets, what the batcher records, and the separate metrics port."""
 
 import asyncio
+import logging
 import socket
 
 import httpx
@@ -187,7 +188,8 @@ def test_metrics_port_is_a_flag_and_must_differ_from_port():
         Settings(port=9000, metrics_port=9000)
 
 
-async def test_metrics_port_serves_the_apps_registry_and_the_main_port_does_not(registry):
+async def test_metrics_port_serves_the_apps_registry_and_the_main_port_does_not(registry, caplog):
+    caplog.set_level(logging.INFO)
     port = free_port()
     app = create_app(Settings(metrics_port=port), model=ScriptedModel(), registry=registry)
     transport = httpx.ASGITransport(app=app)
@@ -212,6 +214,10 @@ async def test_metrics_port_serves_the_apps_registry_and_the_main_port_does_not(
         public = await main.get("/metrics")
         assert public.status_code == 404
         assert public.json()["error_type"] == "not_found"
+    logged = [r.getMessage() for r in caplog.records]
+    assert f"metrics on http://127.0.0.1:{port}/metrics" in logged
+    # uvicorn's own start and stop lines are the main server's to print, not this one's.
+    assert not any(m.startswith(("Started server process", "Shutting down")) for m in logged)
     # The metrics server stops with the app: its port refuses connections at once.
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT)
