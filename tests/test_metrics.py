@@ -180,6 +180,14 @@ async def test_items_dropped_while_queued_count_as_cancelled_queued(harness_fact
     assert h.sample("batchfit_queue_depth") == 0
 
 
+def test_metrics_port_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("BATCHFIT_METRICS_PORT", "8001")
+    assert Settings().metrics_port == 8001
+    monkeypatch.setenv("BATCHFIT_METRICS_PORT", "70000")
+    with pytest.raises(ValueError, match="metrics_port"):
+        Settings()
+
+
 def test_metrics_port_is_a_flag_and_must_differ_from_port():
     args = build_parser().parse_args(["serve", "--metrics-port", "9101"])
     assert settings_from_args(args).metrics_port == 9101
