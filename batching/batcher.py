@@ -82,6 +82,7 @@ class Batcher:
         self.healthy = True
         self._in_flight: Sequence[Pending] = ()
         metrics.queue_capacity.set(queue.max_items)
+        queue.on_drop = self._count_dropped
 
     async def run(self) -> None:
         """Step forever; on exit, whatever is queued or running fails with ``ShuttingDown``."""
@@ -202,6 +203,8 @@ class Batcher:
             self.metrics.queue_wait.observe(now - pending.arrival_s)
         self.metrics.real_tokens.inc(plan.real_tokens)
         self.metrics.padded_tokens.inc(plan.padded_tokens)
+        if plan.real_tokens:
+            self.metrics.padding_ratio.observe(plan.padded_tokens / plan.real_tokens)
 
     async def _run(self, batch: Sequence[Pending]) -> None:
         """Run ``batch``; on OOM split it in two and run each half, down to one item."""
@@ -286,6 +289,10 @@ class Batcher:
     def _count_oom(self, outcome: str) -> None:
         if self._memory_metrics is not None:
             self._memory_metrics.oom_events.labels(outcome).inc()
+
+    def _count_dropped(self, dropped: Sequence[Pending]) -> None:
+        """Items whose request went away (disconnect, deadline) while they were queued."""
+        self.metrics.cancelled.labels("queued").inc(len(dropped))
 
     def _update_depth(self) -> None:
         self.metrics.queue_depth.set(len(self.queue))

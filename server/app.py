@@ -15,6 +15,7 @@ from batching import Clock, MemoryProbe, Sizer
 from models import Model
 
 from .errors import install_error_handlers
+from .metrics_server import serve_metrics
 from .middleware import RequestContextMiddleware
 from .routes import metrics_response, router
 from .runtime import Runtime
@@ -50,14 +51,19 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        starting = asyncio.create_task(runtime.start(), name="batchfit-start")
-        try:
-            yield
-        finally:
-            starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await starting
-            await runtime.stop()
+        async with contextlib.AsyncExitStack() as stack:
+            if settings.metrics_port is not None:
+                await stack.enter_async_context(
+                    serve_metrics(registry, host=settings.host, port=settings.metrics_port)
+                )
+            starting = asyncio.create_task(runtime.start(), name="batchfit-start")
+            try:
+                yield
+            finally:
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+                await runtime.stop()
 
     app = FastAPI(
         title="Batchfit",
@@ -73,8 +79,11 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
 
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics(request: Request) -> Response:
-        return metrics_response(registry)
+    if settings.metrics_port is None:
+        # With --metrics-port, /metrics lives only on that port, off the public path.
+
+        @app.get("/metrics", include_in_schema=False)
+        async def metrics(request: Request) -> Response:
+            return metrics_response(registry)
 
     return app

@@ -65,12 +65,14 @@ class Runtime:
         self.clock = clock or MonotonicClock()
         self.sizer = sizer  # built from the model's shape once it is loaded, unless given
         self.probe = probe
-        self.metrics = ServerMetrics(registry)
+        # Latency buckets reach the longest deadline a request can ask for.
+        self.metrics = ServerMetrics(registry, max_latency_s=settings.max_timeout_s)
         self.memory_metrics = MemoryMetrics(registry)
         self.batching_metrics = BatchingMetrics(
             registry,
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
+            max_latency_s=settings.max_timeout_s,
         )
         self.queue = RequestQueue(settings.max_queue_items)
         self.model_thread = ModelThread()

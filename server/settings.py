@@ -31,6 +31,13 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Serve /metrics on this port (same address) instead of the main port, so "
+        "it stays off the public path.",
+    )
     max_batch_size: int = Field(32, ge=1, description="Most items in one forward pass.")
     max_batch_tokens: int = Field(
         4096, ge=1, description="Most padded tokens (items x longest input) in one forward pass."
@@ -99,6 +106,12 @@ class Settings(BaseSettings):
                 f"default_timeout_s ({self.default_timeout_s}) exceeds "
                 f"max_timeout_s ({self.max_timeout_s})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_metrics_port(self) -> Settings:
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port ({self.metrics_port}) must differ from port")
         return self
 
     def model_spec(self) -> ModelSpec:
