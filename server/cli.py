@@ -13,6 +13,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from .app import create_app
+from .plan import memory_plan
 from .settings import Settings
 
 
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="Serve a model over HTTP.")
+    plan_parser = commands.add_parser(
+        "plan", help="Load the model, calibrate memory as serve does, print the memory plan."
+    )
+    add_settings_flags(plan_parser)
     add_settings_flags(serve_parser)
     return parser
 
@@ -99,4 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return serve(settings)
+    if args.command == "plan":
+        configure_logging("warning")
+        print(memory_plan(settings))
+        return 0
     return 2
