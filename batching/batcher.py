@@ -228,7 +228,8 @@ class Batcher:
                 self._count_oom("failed")
                 log.warning("batch of %d x %d tokens does not fit in memory", len(live), padded_len)
                 for pending in live:
-                    error = OutOfMemory(_oom_message(pending, exc, len(live)), _needed_bytes(exc))
+                    message = _oom_message(pending, exc, len(live), predicted)
+                    error = OutOfMemory(message, _needed_bytes(exc))
                     _fail(pending, error)
                 return
             self._count_oom("split")
@@ -307,8 +308,14 @@ def _needed_bytes(exc: BaseException) -> int | None:
     return getattr(exc, "requested_bytes", None)
 
 
-def _oom_message(pending: Pending, exc: BaseException, batch_size: int) -> str:
-    needed = _needed_bytes(exc)
-    amount = f"; it needed {needed / 2**20:.1f} MiB more" if needed else ""
+def _oom_message(
+    pending: Pending, exc: BaseException, batch_size: int, predicted: float | None
+) -> str:
+    needs = []
+    if predicted:
+        needs.append(f"predicted peak {predicted / 2**20:.1f} MiB")
+    if (requested := _needed_bytes(exc)) is not None:
+        needs.append(f"the failed allocation was {requested / 2**20:.1f} MiB")
     where = "even alone" if batch_size == 1 else f"in a batch of {batch_size}"
-    return f"input {pending.index} ({pending.cost} tokens) does not fit in memory {where}{amount}"
+    detail = f" ({'; '.join(needs)})" if needs else ""
+    return f"input {pending.index} ({pending.cost} tokens) does not fit in memory {where}{detail}"
