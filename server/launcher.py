@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import ctypes
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -26,7 +27,14 @@ from typing import IO
 import httpx
 from pydantic import ValidationError
 
-from .nginx import NginxConfig, check_config, nginx_command, prepare_prefix, render
+from .nginx import (
+    NginxConfig,
+    check_config,
+    nginx_command,
+    prepare_prefix,
+    read_timeout_for,
+    render,
+)
 from .settings import LauncherSettings, Settings
 
 log = logging.getLogger("batchfit.launcher")
@@ -94,6 +102,16 @@ def passthrough_argv(flags: dict[str, object]) -> list[str]:
     return argv
 
 
+def replica_environment(num_replicas: int) -> dict[str, str]:
+    """The launcher's environment, with the CPU cores shared out among the replicas: N replicas
+    on one machine each using every core oversubscribe it (measured here: several times slower).
+    An OMP_NUM_THREADS already set wins."""
+    env = dict(os.environ)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (cores or 1) // num_replicas)))
+    return env
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -151,21 +169,24 @@ class Launcher:
         host = self.settings.host
         return "127.0.0.1" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
 
-    def _spawn(self, argv: list[str], log_path: Path) -> subprocess.Popen:
+    def _spawn(
+        self, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         with open(log_path, "wb") as log_file:
             return subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                start_new_session=True, preexec_fn=_die_with_parent, env=env,
             )  # fmt: skip
 
     def _start(self, prefix: Path) -> None:
         # Replicas load their models in parallel; Nginx starts once all of them are ready.
+        env = replica_environment(self.settings.replicas)
         for index in range(self.settings.replicas):
             port = free_port()
             log_path = prefix / f"replica-{index}.log"
             argv = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
                     "--port", str(port), *self.replica_argv]  # fmt: skip
-            child = Child(f"replica-{index}", self._spawn(argv, log_path),
+            child = Child(f"replica-{index}", self._spawn(argv, log_path, env),
                           log_path, f"http://127.0.0.1:{port}")  # fmt: skip
             self.replicas.append(child)
             self._say(f"{child.name}: {child.url} pid {child.process.pid} log {log_path}")
@@ -175,7 +196,7 @@ class Launcher:
             upstreams=[child.url.removeprefix("http://") for child in self.replicas],
             listen=f"{self._listen_host()}:{self.settings.port}",
             max_body_bytes=self.replica.max_body_bytes,
-            max_timeout_s=self.replica.max_timeout_s,
+            read_timeout_s=read_timeout_for(self.replica.max_timeout_s),
             rate_limit_rps=self.settings.rate_limit_rps,
             rate_limit_burst=self.settings.rate_limit_burst,
             prefix=prefix,

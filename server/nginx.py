@@ -38,7 +38,7 @@ class NginxConfig:
     upstreams: Sequence[str]
     listen: str
     max_body_bytes: int
-    max_timeout_s: float
+    read_timeout_s: int
     rate_limit_rps: int
     rate_limit_burst: int
     # None: container paths (logs to stdout/stderr, the image's temp paths).
@@ -62,7 +62,7 @@ def render(config: NginxConfig, template: str | None = None) -> str:
         ),
         "listen": config.listen,
         "max_body_bytes": str(config.max_body_bytes),
-        "read_timeout_s": str(math.ceil(config.max_timeout_s) + 5),
+        "read_timeout_s": str(config.read_timeout_s),
         "rate_limit_rps": str(config.rate_limit_rps),
         "rate_limit_burst": str(config.rate_limit_burst),
         "upstream_keepalive_s": str(UPSTREAM_KEEP_ALIVE_S),
@@ -72,6 +72,11 @@ def render(config: NginxConfig, template: str | None = None) -> str:
     if unknown:
         raise ValueError(f"the Nginx template has unknown placeholders: {sorted(unknown)}")
     return _PLACEHOLDER.sub(lambda match: values[match.group(1)], template)
+
+
+def read_timeout_for(max_timeout_s: float) -> int:
+    """Longer than the replicas' request deadline cap, so a replica answers its own 504 first."""
+    return math.ceil(max_timeout_s) + 5
 
 
 def _path_directives(prefix: Path | None) -> dict[str, str]:
@@ -102,7 +107,7 @@ def compose_config() -> NginxConfig:
         upstreams=COMPOSE_UPSTREAMS,
         listen="80",
         max_body_bytes=replica["max_body_bytes"].default,
-        max_timeout_s=replica["max_timeout_s"].default,
+        read_timeout_s=read_timeout_for(replica["max_timeout_s"].default),
         rate_limit_rps=up["rate_limit_rps"].default,
         rate_limit_burst=up["rate_limit_burst"].default,
     )

@@ -122,7 +122,7 @@ class LauncherSettings(BaseSettings):
         100, ge=1, description="Requests per second per client before Nginx answers 429."
     )
     rate_limit_burst: int = Field(
-        200, ge=0, description="Requests per client allowed above the rate in a burst."
+        200, ge=1, description="Requests per client allowed above the rate in a burst."
     )
     ready_timeout_s: float = Field(
         300.0, gt=0, description="How long to wait for every replica to be ready."
