@@ -179,6 +179,11 @@ class Launcher:
             )  # fmt: skip
 
     def _start(self, prefix: Path) -> None:
+        if shutil.which(self.settings.nginx) is None:
+            raise LaunchFailed(
+                f"no {self.settings.nginx!r} binary found: install Nginx (Debian: apt-get "
+                "install nginx) or pass --nginx PATH"
+            )
         # Replicas load their models in parallel; Nginx starts once all of them are ready.
         env = replica_environment(self.settings.replicas)
         for index in range(self.settings.replicas):

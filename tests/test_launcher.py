@@ -56,3 +56,12 @@ def test_replicas_share_the_cores(monkeypatch):
     assert replica_environment(16)["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert replica_environment(3)["OMP_NUM_THREADS"] == "5"
+
+
+def test_missing_nginx_fails_before_starting_anything(tmp_path, caplog):
+    from server.cli import main
+
+    workdir = tmp_path / "up"
+    assert main(["up", "--nginx", str(tmp_path / "no-nginx"), "--workdir", str(workdir)]) == 1
+    assert "no-nginx' binary found" in caplog.text
+    assert not list(workdir.glob("replica-*.log"))  # no replica was started
