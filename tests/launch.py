@@ -188,6 +188,9 @@ class SilentUpstream:
             self.connections.append(conn)
 
     def close(self) -> None:
+        # shutdown() wakes the thread blocked in accept(); close() alone does not.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         for conn in self.connections:
             conn.close()
