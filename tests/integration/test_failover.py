@@ -71,6 +71,14 @@ def test_sigkill_mid_run_no_client_sees_a_failure(tmp_path):
           f"SIGKILLed after {state['killed_at']} answers; {len(mid_flight)} cut off mid-flight "
           f"and {len(retried)} retried in all; per-replica share {figures}")  # fmt: skip
     assert all(served_by(e) != victim for e in mid_flight)
+    # Request numbers are taken in start order: at the kill at most killed_at + clients had
+    # started, so every later one started after the victim was dead. Survivors took them all.
+    after_kill = [e for rid, e in entries.items()
+                  if int(rid.rsplit("-", 1)[1]) >= state["killed_at"] + LOAD_CLIENTS]  # fmt: skip
+    assert after_kill
+    assert all(served_by(e) != victim for e in after_kill)
+    print(f"failover: {len(after_kill)} requests started after the kill, all served by "
+          f"{survivors}")  # fmt: skip
     for name in survivors:
         assert figures[name] > figures[VICTIM]
     assert f"{VICTIM} exited with -9" in cluster.errors()
