@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings
 from .app import create_app
 from .launcher import REPLICA_ADDRESS_FIELDS, up
 from .nginx import UVICORN_KEEP_ALIVE_S
+from .plan import memory_plan
 from .settings import LauncherSettings, Settings
 
 
@@ -96,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="Serve a model over HTTP.")
+    plan_parser = commands.add_parser(
+        "plan", help="Load the model, calibrate memory as serve does, print the memory plan."
+    )
+    add_settings_flags(plan_parser)
     add_settings_flags(serve_parser)
     up_parser = commands.add_parser(
         "up",
@@ -119,4 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return serve(settings)
+    if args.command == "plan":
+        configure_logging("warning")
+        print(memory_plan(settings))
+        return 0
     return 2

@@ -39,8 +39,9 @@ from .settings import LauncherSettings, Settings
 
 log = logging.getLogger("batchfit.launcher")
 _PR_SET_PDEATHSIG = 1
-# The launcher picks each replica's address itself.
-REPLICA_ADDRESS_FIELDS = frozenset({"host", "port"})
+# The launcher picks each replica's addresses itself (a free loopback port for HTTP and one
+# for /metrics, so N replicas never collide and metrics stay off the Nginx path).
+REPLICA_ADDRESS_FIELDS = frozenset({"host", "port", "metrics_port"})
 POLL_S = 0.2
 
 
@@ -50,6 +51,7 @@ class Child:
     process: subprocess.Popen
     log_path: Path
     url: str = ""
+    metrics_url: str = ""
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -187,14 +189,19 @@ class Launcher:
         # Replicas load their models in parallel; Nginx starts once all of them are ready.
         env = replica_environment(self.settings.replicas)
         for index in range(self.settings.replicas):
-            port = free_port()
+            port, metrics_port = free_port(), free_port()
             log_path = prefix / f"replica-{index}.log"
             argv = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
-                    "--port", str(port), *self.replica_argv]  # fmt: skip
-            child = Child(f"replica-{index}", self._spawn(argv, log_path, env),
-                          log_path, f"http://127.0.0.1:{port}")  # fmt: skip
+                    "--port", str(port), "--metrics-port", str(metrics_port),
+                    *self.replica_argv]  # fmt: skip
+            child = Child(
+                f"replica-{index}", self._spawn(argv, log_path, env), log_path,
+                url=f"http://127.0.0.1:{port}",
+                metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            )  # fmt: skip
             self.replicas.append(child)
-            self._say(f"{child.name}: {child.url} pid {child.process.pid} log {log_path}")
+            self._say(f"{child.name}: {child.url} pid {child.process.pid} "
+                      f"metrics {child.metrics_url} log {log_path}")  # fmt: skip
         self._wait_ready()
 
         config = NginxConfig(

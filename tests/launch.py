@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,10 +16,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from server.nginx import NginxConfig, check_config, nginx_command, prepare_prefix, render
 from tests.servers import ROOT, free_port
 
-_REPLICA_LINE = re.compile(r"^(replica-\d+): (http://\S+) pid (\d+) ", re.MULTILINE)
+_REPLICA_LINE = re.compile(
+    r"^(replica-\d+): (http://\S+) pid (\d+) metrics (http://\S+) ", re.MULTILINE
+)
 _NGINX_LINE = re.compile(r"^nginx: pid (\d+) ", re.MULTILINE)
 
 
@@ -32,6 +37,7 @@ class Launch:
     output_path: Path
     errors_path: Path
     replicas: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (url, pid)
+    metrics_urls: dict[str, str] = field(default_factory=dict)
     nginx_pid: int = 0
 
     @property
@@ -66,7 +72,19 @@ def wait_for_output(launch: Launch, pattern: str, timeout_s: float) -> re.Match:
     raise TimeoutError(f"no {pattern!r} from batchfit up:\n{launch.output()}\n{launch.errors()}")
 
 
+def require_nginx() -> str:
+    """Nginx's path; without it, fail in CI (``.ci/run`` installs it) and skip elsewhere."""
+    path = shutil.which("nginx")
+    if path is None:
+        message = "nginx is not installed (apt-get install nginx, as .ci/run does)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
 def start_launcher(tmp_path: Path, *flags: str, replicas: int) -> Launch:
+    require_nginx()
     port = free_port()
     workdir = tmp_path / "up"
     output_path, errors_path = tmp_path / "up.out", tmp_path / "up.err"
@@ -82,7 +100,9 @@ def start_launcher(tmp_path: Path, *flags: str, replicas: int) -> Launch:
 def wait_up(launch: Launch, timeout_s: float = 300) -> None:
     wait_for_output(launch, r"^batchfit up: http://", timeout_s)
     text = launch.output()
-    launch.replicas = {name: (url, int(pid)) for name, url, pid in _REPLICA_LINE.findall(text)}
+    found = _REPLICA_LINE.findall(text)
+    launch.replicas = {name: (url, int(pid)) for name, url, pid, _ in found}
+    launch.metrics_urls = {name: metrics for name, _, _, metrics in found}
     launch.nginx_pid = int(_NGINX_LINE.search(text).group(1))
 
 
@@ -136,6 +156,7 @@ def run_nginx(
     read_timeout_s: int = 30, rate_limit_rps: int = 1000, rate_limit_burst: int = 1000,
 ) -> Iterator[Nginx]:  # fmt: skip
     """A real Nginx from deploy/nginx/nginx.conf.template in front of ``upstreams``."""
+    nginx = require_nginx()
     port = free_port()
     prefix = tmp_path / f"nginx-{port}"
     config = NginxConfig(
@@ -144,9 +165,9 @@ def run_nginx(
         rate_limit_burst=rate_limit_burst, prefix=prefix,
     )  # fmt: skip
     conf = prepare_prefix(prefix, render(config))
-    check_config("nginx", prefix, conf)
+    check_config(nginx, prefix, conf)
     process = subprocess.Popen(
-        nginx_command("nginx", prefix, conf, "-g", "daemon off;"),
+        nginx_command(nginx, prefix, conf, "-g", "daemon off;"),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

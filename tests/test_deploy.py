@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from server.nginx import (
     render,
 )
 from server.settings import Settings
+from tests.launch import require_nginx
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -174,7 +174,6 @@ def test_no_plus_only_directives():
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(shutil.which("nginx") is None, reason="needs nginx (.ci/run installs it)")
 def test_nginx_accepts_the_compose_config(tmp_path):
     # The compose hostnames do not resolve outside Docker: the test copy differs from the
     # checked-in file only in those two addresses.
@@ -186,14 +185,14 @@ def test_nginx_accepts_the_compose_config(tmp_path):
     conf = tmp_path / "nginx.conf"
     conf.write_text(copy)
     (tmp_path / "logs").mkdir()
-    check_config("nginx", tmp_path, conf)
+    check_config(require_nginx(), tmp_path, conf)
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(shutil.which("nginx") is None, reason="needs nginx (.ci/run installs it)")
 def test_nginx_accepts_the_exact_compose_file_with_replica_names_resolving(tmp_path):
     """The checked-in file itself, with replica-0/replica-1 in a private /etc/hosts (a mount
     namespace, so the machine's own /etc/hosts is untouched)."""
+    nginx = require_nginx()
     if subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False).returncode:
         pytest.skip("no mount namespaces here (needs root or user namespaces)")
     hosts = tmp_path / "hosts"
@@ -201,7 +200,7 @@ def test_nginx_accepts_the_exact_compose_file_with_replica_names_resolving(tmp_p
     (tmp_path / "logs").mkdir()
     result = subprocess.run(
         ["unshare", "-m", "sh", "-c",
-         f'mount --bind "{hosts}" /etc/hosts && exec nginx -p "{tmp_path}/" '
+         f'mount --bind "{hosts}" /etc/hosts && exec "{nginx}" -p "{tmp_path}/" '
          f'-e "{tmp_path}/logs/error.log" -c "{COMPOSE_CONFIG_PATH}" -t'],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip

@@ -29,8 +29,8 @@ def cluster(tmp_path_factory):
         yield launch
 
 
-def infer_count(replica_url: str) -> float:
-    scrape = httpx.get(f"{replica_url}/metrics", timeout=10).text
+def infer_count(metrics_url: str) -> float:
+    scrape = httpx.get(metrics_url, timeout=10).text
     pattern = r'^batchfit_requests_total\{code="200",endpoint="/v1/infer",error_type=""\} (\S+)$'
     return sum(float(m) for m in re.findall(pattern, scrape, re.MULTILINE))
 
@@ -44,7 +44,7 @@ def test_launcher_prints_the_url_and_every_replica(cluster):
 
 
 def test_balancing_every_replica_serves_a_share(cluster):
-    before = {name: infer_count(url) for name, (url, _) in cluster.replicas.items()}
+    before = {name: infer_count(url) for name, url in cluster.metrics_urls.items()}
     run = asyncio.run(
         load_run(cluster.url, requests=LOAD_REQUESTS, clients=LOAD_CLIENTS, prefix="balance")
     )
@@ -55,7 +55,7 @@ def test_balancing_every_replica_serves_a_share(cluster):
     figures = {name: share[cluster.address(name)] for name in cluster.replicas}
     print(f"\nbalancing: {LOAD_REQUESTS} requests, {LOAD_CLIENTS} clients, "
           f"{len(run.failures)} failures, per-replica share {figures}")  # fmt: skip
-    for name, (url, _) in cluster.replicas.items():
+    for name, url in cluster.metrics_urls.items():
         # Nginx's log and the replica's own counter agree on who served what.
         assert infer_count(url) - before[name] == figures[name]
         assert figures[name] >= LOAD_REQUESTS // 10, figures
