@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from pydantic import ByteSize, Field, model_validator
@@ -155,3 +156,32 @@ class ServerConfig:
     max_queue_items: int
     max_batch_size: int
     max_batch_tokens: int
+
+
+class LauncherSettings(BaseSettings):
+    """``batchfit up``: several replicas behind a local Nginx. Flags of ``batchfit up``; the
+    replicas' own settings are the ``serve`` flags, passed through to every replica."""
+
+    model_config = SettingsConfigDict(env_prefix="BATCHFIT_UP_", frozen=True, extra="forbid")
+
+    replicas: int = Field(2, ge=1, le=64, description="Number of replicas to start.")
+    host: str = Field("127.0.0.1", description="Address Nginx listens on.")
+    port: int = Field(8080, ge=1, le=65535, description="Port Nginx listens on.")
+    rate_limit_rps: int = Field(
+        100, ge=1, description="Requests per second per client before Nginx answers 429."
+    )
+    rate_limit_burst: int = Field(
+        200, ge=1, description="Requests per client allowed above the rate in a burst."
+    )
+    ready_timeout_s: float = Field(
+        300.0, gt=0, description="How long to wait for every replica to be ready."
+    )
+    stop_timeout_s: float = Field(
+        60.0, gt=0, description="How long a stopping replica may take before it is killed."
+    )
+    nginx: str = Field("nginx", description="The Nginx binary (open-source Nginx).")
+    workdir: Path | None = Field(
+        None,
+        description="Folder for the Nginx prefix, config and logs (kept); by default a "
+        "temporary folder removed at exit.",
+    )
