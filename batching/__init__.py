@@ -13,12 +13,35 @@ from .errors import (
     QueueFull,
     ShuttingDown,
 )
-from .metrics import BatchingMetrics, powers_of_two
-from .planner import BatchBudget, BatchPlan, plan_batch, split
+from .metrics import BatchingMetrics, MemoryMetrics, powers_of_two
+from .planner import BatchBudget, BatchPlan, largest_batch, plan_batch, split
+from .probes import (
+    CompositeProbe,
+    HostProbe,
+    MemoryProbe,
+    MemoryReading,
+    NvmlProbe,
+    ProbeError,
+    TorchCudaProbe,
+    limit_address_space,
+    probes_for_device,
+    tune_host_allocator,
+)
 from .queue import Pending, RequestQueue
-from .sizer import BatchOutcome, FixedSizer, Sizer
+from .sizer import (
+    AdaptiveConfig,
+    AdaptiveSizer,
+    BatchOutcome,
+    FixedSizer,
+    PeakModel,
+    Sizer,
+    fit_envelope,
+    prior_peak_model,
+)
 
 __all__ = [
+    "AdaptiveConfig",
+    "AdaptiveSizer",
     "BatchBudget",
     "BatchOutcome",
     "BatchPlan",
@@ -27,18 +50,33 @@ __all__ = [
     "BatchingError",
     "BatchingMetrics",
     "Clock",
+    "CompositeProbe",
     "DeadlineExceeded",
     "FixedSizer",
+    "HostProbe",
     "InferenceFailed",
+    "MemoryMetrics",
+    "MemoryProbe",
+    "MemoryReading",
     "ModelThread",
     "MonotonicClock",
+    "NvmlProbe",
     "OutOfMemory",
+    "PeakModel",
     "Pending",
+    "ProbeError",
     "QueueFull",
     "RequestQueue",
     "ShuttingDown",
     "Sizer",
+    "TorchCudaProbe",
+    "fit_envelope",
+    "largest_batch",
+    "limit_address_space",
     "plan_batch",
     "powers_of_two",
+    "prior_peak_model",
+    "probes_for_device",
     "split",
+    "tune_host_allocator",
 ]

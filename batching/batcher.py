@@ -11,8 +11,9 @@ from typing import Any, TypeVar
 
 from .clock import Clock
 from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
-from .metrics import BatchingMetrics
-from .planner import BatchPlan, plan_batch, split
+from .metrics import BatchingMetrics, MemoryMetrics
+from .planner import BatchBudget, BatchPlan, plan_batch, split
+from .probes import MemoryProbe, MemoryReading
 from .queue import Pending, RequestQueue
 from .sizer import BatchOutcome, Sizer
 
@@ -27,6 +28,8 @@ class BatcherConfig:
     max_wait_s: float = 0.002
     plan_window: int = 1024
     """How many of the oldest waiting items the planner considers."""
+    oom_split: bool = True
+    """Retry a batch that ran out of memory as two halves; off fails the whole batch."""
 
 
 class ModelThread:
@@ -61,6 +64,8 @@ class Batcher:
         config: BatcherConfig,
         oom_errors: tuple[type[BaseException], ...] = (),
         fatal_errors: tuple[type[BaseException], ...] = (),
+        probe: MemoryProbe | None = None,
+        memory_metrics: MemoryMetrics | None = None,
     ) -> None:
         self.queue = queue
         self.sizer = sizer
@@ -71,9 +76,13 @@ class Batcher:
         self._model_thread = model_thread
         self._oom_errors = oom_errors
         self._fatal_errors = fatal_errors
+        self._probe = probe
+        self._memory_metrics = memory_metrics
+        self._budget: BatchBudget | None = None
         self.healthy = True
         self._in_flight: Sequence[Pending] = ()
         metrics.queue_capacity.set(queue.max_items)
+        queue.on_drop = self._count_dropped
 
     async def run(self) -> None:
         """Step forever; on exit, whatever is queued or running fails with ``ShuttingDown``."""
@@ -89,9 +98,12 @@ class Batcher:
     async def step(self) -> int:
         """Run one batch; return how many items it held."""
         await self.queue.wait_not_empty()
-        budget = self.sizer.budget()
+        reading = self._read_memory()
+        budget = self._budget = self.sizer.budget(reading)
         self.metrics.budget_items.set(budget.max_items)
         self.metrics.budget_tokens.set(budget.max_tokens)
+        if self._memory_metrics is not None and budget.max_bytes is not None:
+            self._memory_metrics.budget_bytes.set(budget.max_bytes)
         await self._fill(budget.max_items, budget.max_tokens)
 
         waiting = self._drop_expired(self.queue.waiting(self.config.plan_window))
@@ -111,12 +123,57 @@ class Batcher:
         self._in_flight = ()
         return len(batch)
 
+    async def run_calibration(self, items: Sequence[Any]) -> BatchOutcome:
+        """Run a synthetic batch (warm-up) and measure it; OOM errors propagate."""
+        padded_len = max(item.cost for item in items)
+        started = self.clock.now()
+        _, peak = await self._model_thread.call(self._measured_forward, items)
+        return BatchOutcome(len(items), padded_len, self.clock.now() - started, peak)
+
     def fail_waiting(self, error: Exception) -> None:
         waiting = self.queue.waiting()
         self.queue.remove(waiting)
         for pending in waiting:
             _fail(pending, error)
         self._update_depth()
+
+    def _read_memory(self) -> MemoryReading | None:
+        if self._probe is None:
+            return None
+        reading = self._probe.read()
+        metrics = self._memory_metrics
+        if metrics is not None:
+            for gauge, value in (
+                (metrics.free_bytes, reading.free_bytes),
+                (metrics.device_used, reading.device_used_bytes),
+                (metrics.device_total, reading.device_total_bytes),
+                (metrics.torch_allocated, reading.allocated_bytes),
+                (metrics.torch_reserved, reading.reserved_bytes),
+                (metrics.host_resident, reading.resident_bytes),
+                (
+                    metrics.host_available,
+                    None if reading.device_total_bytes else reading.free_bytes,
+                ),
+            ):
+                if value is not None:
+                    gauge.set(value)
+        return reading
+
+    def _measured_forward(self, items: Sequence[Any]) -> tuple[list[Any], int | None]:
+        """Runs on the model thread: the forward pass and its peak memory above baseline."""
+        probe = self._probe
+        baseline = probe.start_batch() if probe is not None else None
+        try:
+            outputs = self._forward(items)
+        except self._oom_errors:
+            release = getattr(probe, "release_cache", None)
+            if release is not None:
+                release()
+            raise
+        peak = probe.batch_peak() if probe is not None else None
+        if baseline is None or peak is None:
+            return outputs, None
+        return outputs, max(0, peak - baseline)
 
     async def _fill(self, max_items: int, max_tokens: int) -> None:
         """Wait up to ``max_wait_s`` from the oldest item's arrival for a full batch."""
@@ -146,6 +203,8 @@ class Batcher:
             self.metrics.queue_wait.observe(now - pending.arrival_s)
         self.metrics.real_tokens.inc(plan.real_tokens)
         self.metrics.padded_tokens.inc(plan.padded_tokens)
+        if plan.real_tokens:
+            self.metrics.padding_ratio.observe(plan.padded_tokens / plan.real_tokens)
 
     async def _run(self, batch: Sequence[Pending]) -> None:
         """Run ``batch``; on OOM split it in two and run each half, down to one item."""
@@ -157,17 +216,25 @@ class Batcher:
         padded_len = max(p.cost for p in live)
         self.metrics.batch_size.observe(len(live))
         self.metrics.batch_tokens.observe(len(live) * padded_len)
+        predicted = self._record_prediction(len(live), padded_len)
         started = self.clock.now()
         try:
-            outputs = await self._model_thread.call(self._forward, [p.item for p in live])
+            outputs, peak = await self._model_thread.call(
+                self._measured_forward, [p.item for p in live]
+            )
         except self._oom_errors as exc:
             self.sizer.on_oom(len(live), padded_len)
-            if len(live) == 1:
-                log.warning("input of %d tokens does not fit in memory alone", padded_len)
-                _fail(live[0], OutOfMemory(_oom_message(live[0], exc), _needed_bytes(exc)))
+            if len(live) == 1 or not self.config.oom_split:
+                self._count_oom("failed")
+                log.warning("batch of %d x %d tokens does not fit in memory", len(live), padded_len)
+                for pending in live:
+                    message = _oom_message(pending, exc, len(live), predicted)
+                    error = OutOfMemory(message, _needed_bytes(exc))
+                    _fail(pending, error)
                 return
+            self._count_oom("split")
             first, second = split(live)
-            log.info("batch of %d ran out of memory; splitting", len(live))
+            log.info("batch of %d x %d tokens ran out of memory; splitting", len(live), padded_len)
             await self._run(first)
             await self._run(second)
             return
@@ -188,7 +255,8 @@ class Batcher:
             for pending in live:
                 _fail(pending, InferenceFailed("model returned the wrong number of outputs"))
             return
-        self.sizer.observe(BatchOutcome(len(live), padded_len, elapsed))
+        self.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
+        self._record_peak(predicted, peak)
         orphans = 0
         for pending, output in zip(live, outputs, strict=True):
             if pending.future.done():
@@ -197,6 +265,35 @@ class Batcher:
                 pending.future.set_result(output)
         if orphans:
             self.metrics.cancelled.labels("running").inc(orphans)
+
+    def _record_prediction(self, num_items: int, padded_len: int) -> float | None:
+        budget = self._budget
+        if budget is None or budget.predict_bytes is None:
+            return None
+        predicted = budget.predict_bytes(num_items, padded_len)
+        metrics = self._memory_metrics
+        if metrics is not None:
+            metrics.predicted_peak.set(predicted)
+            free = getattr(self.sizer, "last_free_bytes", None)
+            if free is not None:
+                metrics.headroom_bytes.set(free - predicted)
+        return predicted
+
+    def _record_peak(self, predicted: float | None, peak: int | None) -> None:
+        metrics = self._memory_metrics
+        if metrics is None or peak is None:
+            return
+        metrics.measured_peak.set(peak)
+        if predicted:
+            metrics.peak_ratio.observe(peak / predicted)
+
+    def _count_oom(self, outcome: str) -> None:
+        if self._memory_metrics is not None:
+            self._memory_metrics.oom_events.labels(outcome).inc()
+
+    def _count_dropped(self, dropped: Sequence[Pending]) -> None:
+        """Items whose request went away (disconnect, deadline) while they were queued."""
+        self.metrics.cancelled.labels("queued").inc(len(dropped))
 
     def _update_depth(self) -> None:
         self.metrics.queue_depth.set(len(self.queue))
@@ -211,9 +308,14 @@ def _needed_bytes(exc: BaseException) -> int | None:
     return getattr(exc, "requested_bytes", None)
 
 
-def _oom_message(pending: Pending, exc: BaseException) -> str:
-    needed = _needed_bytes(exc)
-    amount = f"; it needed {needed / 2**20:.1f} MiB more" if needed else ""
-    return (
-        f"input {pending.index} ({pending.cost} tokens) does not fit in memory even alone{amount}"
-    )
+def _oom_message(
+    pending: Pending, exc: BaseException, batch_size: int, predicted: float | None
+) -> str:
+    needs = []
+    if predicted:
+        needs.append(f"predicted peak {predicted / 2**20:.1f} MiB")
+    if (requested := _needed_bytes(exc)) is not None:
+        needs.append(f"the failed allocation was {requested / 2**20:.1f} MiB")
+    where = "even alone" if batch_size == 1 else f"in a batch of {batch_size}"
+    detail = f" ({'; '.join(needs)})" if needs else ""
+    return f"input {pending.index} ({pending.cost} tokens) does not fit in memory {where}{detail}"

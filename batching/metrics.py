@@ -10,6 +10,14 @@ LATENCY_BUCKETS_S = (
 )  # fmt: skip
 
 
+def latency_buckets(max_s: float) -> tuple[float, ...]:
+    """The standard latency buckets below ``max_s`` (the longest request deadline), then it."""
+    return (*(b for b in LATENCY_BUCKETS_S if b < max_s), float(max_s))
+
+
+PADDING_RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0)
+
+
 def powers_of_two(maximum: int) -> tuple[float, ...]:
     """1, 2, 4, ... up to and including ``maximum`` (for batch sizes and tokens)."""
     buckets = []
@@ -22,7 +30,14 @@ def powers_of_two(maximum: int) -> tuple[float, ...]:
 
 
 class BatchingMetrics:
-    def __init__(self, registry: CollectorRegistry, *, max_batch_size: int, max_batch_tokens: int):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        max_batch_size: int,
+        max_batch_tokens: int,
+        max_latency_s: float = LATENCY_BUCKETS_S[-1],
+    ) -> None:
         self.queue_depth = Gauge(
             "batchfit_queue_depth", "Items waiting in the queue.", registry=registry
         )
@@ -32,7 +47,7 @@ class BatchingMetrics:
         self.queue_wait = Histogram(
             "batchfit_queue_wait_seconds",
             "Time an item waited from admission to the start of its batch.",
-            buckets=LATENCY_BUCKETS_S,
+            buckets=latency_buckets(max_latency_s),
             registry=registry,
         )
         self.batch_size = Histogram(
@@ -61,6 +76,12 @@ class BatchingMetrics:
         self.padded_tokens = Counter(
             "batchfit_batch_padded_tokens",
             "Padded tokens run through the model; divide by real tokens for the padding ratio.",
+            registry=registry,
+        )
+        self.padding_ratio = Histogram(
+            "batchfit_batch_padding_ratio",
+            "Padded over real tokens per forward pass (1 means no padding).",
+            buckets=PADDING_RATIO_BUCKETS,
             registry=registry,
         )
         self.batch_failures = Counter(

@@ -91,3 +91,15 @@ def split(items: Sequence[object]) -> tuple[Sequence[object], Sequence[object]]:
     """Halve a batch for OOM bisection: the first half gets the smaller share."""
     middle = len(items) // 2
     return items[:middle], items[middle:]
+
+
+def largest_batch(budget: BatchBudget, padded_len: int) -> int:
+    """Most items of length ``padded_len`` the budget admits (0 if not even one)."""
+    low, high = 0, budget.max_items
+    while low < high:
+        middle = (low + high + 1) // 2
+        if budget.fits(middle, padded_len):
+            low = middle
+        else:
+            high = middle - 1
+    return low

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,8 @@ class RequestQueue:
         self.changed = asyncio.Event()
         self._items: list[Pending] = []
         self._seq = itertools.count()
+        self.on_drop: Callable[[list[Pending]], None] | None = None
+        """Called with the entries ``purge`` dropped (the batcher counts them)."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -67,6 +69,8 @@ class RequestQueue:
         dropped = [p for p in self._items if p.cancelled]
         if dropped:
             self._items = [p for p in self._items if not p.cancelled]
+            if self.on_drop is not None:
+                self.on_drop(dropped)
         return dropped
 
     def waiting(self, limit: int | None = None) -> list[Pending]:

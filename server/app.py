@@ -11,12 +11,13 @@ from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, disable_created_metrics
 from starlette.responses import Response
 
-from batching import Clock, Sizer
+from batching import Clock, MemoryProbe, Sizer
 from models import Model
 
 from . import kserve_v2, openai_api
 from .admin import make_admin_router
 from .errors import install_error_handlers
+from .metrics_server import serve_metrics
 from .middleware import RequestContextMiddleware
 from .routes import metrics_response, router
 from .runtime import Runtime
@@ -29,7 +30,7 @@ def create_app(
     settings: Settings,
     *,
     model: Model | None = None,
-    probe: object | None = None,
+    probe: MemoryProbe | None = None,
     clock: Clock | None = None,
     registry: CollectorRegistry | None = None,
     sizer: Sizer | None = None,
@@ -41,19 +42,30 @@ def create_app(
     disable_created_metrics()
     registry = registry if registry is not None else CollectorRegistry()
     runtime = Runtime(
-        settings, registry=registry, model=model, clock=clock, sizer=sizer, on_fatal=on_fatal
+        settings,
+        registry=registry,
+        model=model,
+        clock=clock,
+        sizer=sizer,
+        probe=probe,
+        on_fatal=on_fatal,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        starting = asyncio.create_task(runtime.start(), name="batchfit-start")
-        try:
-            yield
-        finally:
-            starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await starting
-            await runtime.stop()
+        async with contextlib.AsyncExitStack() as stack:
+            if settings.metrics_port is not None:
+                await stack.enter_async_context(
+                    serve_metrics(registry, host=settings.host, port=settings.metrics_port)
+                )
+            starting = asyncio.create_task(runtime.start(), name="batchfit-start")
+            try:
+                yield
+            finally:
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+                await runtime.stop()
 
     app = FastAPI(
         title="Batchfit",
@@ -73,8 +85,11 @@ def create_app(
     if settings.admin_token is not None:
         app.include_router(make_admin_router(settings.admin_token.get_secret_value()))
 
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics(request: Request) -> Response:
-        return metrics_response(registry)
+    if settings.metrics_port is None:
+        # With --metrics-port, /metrics lives only on that port, off the public path.
+
+        @app.get("/metrics", include_in_schema=False)
+        async def metrics(request: Request) -> Response:
+            return metrics_response(registry)
 
     return app

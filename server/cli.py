@@ -11,14 +11,25 @@ from collections.abc import Sequence
 
 import uvicorn
 from pydantic import ValidationError
+from pydantic_settings import BaseSettings
 
 from .app import create_app
-from .settings import Settings
+from .launcher import REPLICA_ADDRESS_FIELDS, up
+from .nginx import UVICORN_KEEP_ALIVE_S
+from .plan import memory_plan
+from .settings import LauncherSettings, Settings
 
 
-def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+def add_settings_flags(
+    parser: argparse.ArgumentParser,
+    settings_class: type[BaseSettings] = Settings,
+    *,
+    skip: frozenset[str] = frozenset(),
+) -> None:
     """One flag per Settings field; unset flags fall back to BATCHFIT_* and then defaults."""
-    for name, field in Settings.model_fields.items():
+    for name, field in settings_class.model_fields.items():
+        if name in skip:
+            continue
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
         choices = (
@@ -66,7 +77,7 @@ def serve(settings: Settings) -> int:
         access_log=False,
         # Nginx keeps upstream connections alive for less than this, so it never reuses a
         # connection uvicorn is closing.
-        timeout_keep_alive=75,
+        timeout_keep_alive=UVICORN_KEEP_ALIVE_S,
         lifespan="on",
     )
     server = uvicorn.Server(config)
@@ -86,12 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="Serve a model over HTTP.")
+    plan_parser = commands.add_parser(
+        "plan", help="Load the model, calibrate memory as serve does, print the memory plan."
+    )
+    add_settings_flags(plan_parser)
     add_settings_flags(serve_parser)
+    up_parser = commands.add_parser(
+        "up",
+        help="Start several replicas behind a local Nginx (no Docker needed).",
+        description="Start --replicas replicas on loopback ports and Nginx on --port in front "
+        "of them. The serve flags below are passed to every replica.",
+    )
+    add_settings_flags(up_parser, LauncherSettings)
+    add_settings_flags(up_parser, Settings, skip=REPLICA_ADDRESS_FIELDS)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "up":
+        return up(args)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
@@ -99,4 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return serve(settings)
+    if args.command == "plan":
+        configure_logging("warning")
+        print(memory_plan(settings))
+        return 0
     return 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from batching.metrics import LATENCY_BUCKETS_S
+from batching.metrics import LATENCY_BUCKETS_S, latency_buckets
 
 REJECTION_REASONS = (
     "queue_full", "draining", "not_ready", "too_large", "invalid", "deadline", "unauthorized",
@@ -12,7 +12,9 @@ REJECTION_REASONS = (
 
 
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, *, max_latency_s: float = LATENCY_BUCKETS_S[-1]
+    ) -> None:
         self.requests = Counter(
             "batchfit_requests",
             "Finished HTTP requests by endpoint, status code and error type.",
@@ -23,7 +25,7 @@ class ServerMetrics:
             "batchfit_request_duration_seconds",
             "End-to-end request latency inside the replica.",
             ["endpoint"],
-            buckets=LATENCY_BUCKETS_S,
+            buckets=latency_buckets(max_latency_s),
             registry=registry,
         )
         self.inputs = Counter("batchfit_inputs", "Inputs answered successfully.", registry=registry)

@@ -4,27 +4,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from batching import (
+    AdaptiveSizer,
     Batcher,
     BatchingMetrics,
     Clock,
     FixedSizer,
+    MemoryMetrics,
+    MemoryProbe,
     ModelThread,
     MonotonicClock,
     Pending,
     RequestQueue,
     ShuttingDown,
     Sizer,
+    largest_batch,
+    limit_address_space,
+    prior_peak_model,
+    probes_for_device,
+    tune_host_allocator,
 )
-from models import BatchProfiler, DeviceError, Model, ModelOutOfMemory, load_model
+from models import BatchProfiler, DeviceError, Model, ModelInfo, ModelOutOfMemory, load_model
 
 from .errors import ApiError, not_ready
 from .metrics import ServerMetrics
@@ -47,21 +57,29 @@ class Runtime:
         model: Model | None = None,
         clock: Clock | None = None,
         sizer: Sizer | None = None,
+        probe: MemoryProbe | None = None,
         on_fatal: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.config = settings.server_config()
         self.model = model
         self.clock = clock or MonotonicClock()
-        self.sizer = sizer or FixedSizer(settings.max_batch_size, settings.max_batch_tokens)
-        self.metrics = ServerMetrics(registry)
+        self.sizer = sizer  # built from the model's shape once it is loaded, unless given
+        self.probe = probe
+        # Latency buckets reach the longest deadline a request can ask for.
+        self.metrics = ServerMetrics(registry, max_latency_s=settings.max_timeout_s)
+        self.memory_metrics = MemoryMetrics(registry)
         self.batching_metrics = BatchingMetrics(
             registry,
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
+            max_latency_s=settings.max_timeout_s,
         )
         self.queue = RequestQueue(settings.max_queue_items)
         self.model_thread = ModelThread()
+        # Tokenizes large requests off the event loop; one thread, started before any
+        # memory limit applies (a capped address space may have no room for a new stack).
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="batchfit-tokenize")
         # Wraps the batcher's forward calls, so traces are recorded on the model thread.
         self.profiler = BatchProfiler(Path(settings.profile_dir))
         self.batcher: Batcher | None = None
@@ -103,7 +121,18 @@ class Runtime:
         self.metrics.model.info(
             {"name": info.name, "task": info.task, "device": info.device, "dtype": info.dtype}
         )
-        await self._warm_up()
+        if self.probe is None:
+            self.probe = probes_for_device(
+                info.device, memory_limit_bytes=self.settings.memory_limit
+            )
+        if self.sizer is None:
+            self.sizer = make_sizer(self.settings, info)
+        # The first forward pass starts torch's thread pool; start every thread before a
+        # memory limit caps the address space.
+        await self.model_thread.call(self.model.forward, self.model.synthetic_items(1, 8))
+        await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, int)
+        if self.settings.memory_limit is not None and info.device == "cpu":
+            self._limit_host_memory(self.settings.memory_limit)
         self.batcher = Batcher(
             queue=self.queue,
             forward=self.profiler.wrap(self.model.forward),
@@ -114,28 +143,84 @@ class Runtime:
             config=self.settings.batcher_config(),
             oom_errors=(ModelOutOfMemory,),
             fatal_errors=(DeviceError,),
+            probe=self.probe,
+            memory_metrics=self.memory_metrics,
         )
+        await self._warm_up(self.batcher)
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
         self._started = True
         self.metrics.ready.set(1)
         log.info("ready in %.1fs", time.perf_counter() - started)
 
-    async def _warm_up(self) -> None:
-        """Run the largest batch the sizer would plan, so a memory problem fails at boot."""
-        assert self.model is not None
-        budget = self.sizer.budget()
-        length = min(
-            self.model.info.max_input_tokens, max(2, budget.max_tokens // budget.max_items)
-        )
-        num_items = max(1, min(budget.max_items, budget.max_tokens // length))
-        items = self.model.synthetic_items(num_items, length)
-        started = time.perf_counter()
-        await self.model_thread.call(self.model.forward, items)
+    def _limit_host_memory(self, limit_bytes: int) -> None:
+        assert self.probe is not None
+        resident = self.probe.read().used_bytes or 0
+        if resident >= limit_bytes:
+            raise RuntimeError(
+                f"memory_limit ({limit_bytes} bytes) is below what the loaded model already "
+                f"uses ({resident} bytes)"
+            )
+        set_to = limit_address_space(limit_bytes - resident)
         log.info(
-            "warm-up batch of %d x %d tokens took %.3fs",
-            num_items, length, time.perf_counter() - started,
+            "memory limit %d MiB: address space capped at %d MiB (%d MiB above the model)",
+            limit_bytes >> 20, set_to >> 20, (limit_bytes - resident) >> 20,
         )  # fmt: skip
+
+    async def _warm_up(self, batcher: Batcher) -> None:
+        """Run the largest batches the sizer would plan (short and longest inputs), lowering
+        the ceiling after each OOM until they pass, so the server never says ready with a
+        budget it cannot run. The adaptive sizer calibrates its memory model on them."""
+        assert self.model is not None and self.sizer is not None
+        on_host = self.model.info.device == "cpu"
+        if on_host:
+            tune_host_allocator(measuring=True)
+        try:
+            await self._calibrate(batcher)
+        finally:
+            if on_host:
+                tune_host_allocator(measuring=False)
+
+    async def _calibrate(self, batcher: Batcher) -> None:
+        assert self.model is not None and self.sizer is not None
+        max_len = self.model.info.max_input_tokens
+        lengths = sorted({min(max_len, 32), max_len})
+        if not isinstance(self.sizer, AdaptiveSizer):
+            budget = self.sizer.budget()
+            lengths = [min(max_len, max(2, budget.max_tokens // budget.max_items))]
+        for length in lengths:
+            cap = self.settings.max_batch_size
+            while True:
+                budget = self.sizer.budget(self.probe.read() if self.probe else None)
+                num_items = max(1, min(cap, largest_batch(budget, length)))
+                items = self.model.synthetic_items(num_items, length)
+                try:
+                    outcome = await batcher.run_calibration(items)
+                except ModelOutOfMemory:
+                    self.sizer.on_oom(num_items, length)
+                    if num_items == 1:
+                        log.warning("one input of %d tokens does not fit in memory", length)
+                        break
+                    log.info("warm-up batch of %d x %d ran out of memory", num_items, length)
+                    cap = num_items // 2  # a fixed sizer has no ceiling to lower
+                    continue
+                if isinstance(self.sizer, AdaptiveSizer):
+                    self.sizer.calibrate(outcome)
+                log.info(
+                    "warm-up batch of %d x %d tokens: %.3fs, peak %s",
+                    num_items, length, outcome.elapsed_s,
+                    f"{outcome.peak_bytes / 2**20:.1f} MiB" if outcome.peak_bytes else "n/a",
+                )  # fmt: skip
+                break
+        if isinstance(self.sizer, AdaptiveSizer):
+            self.sizer.finish_warm_up()
+            model = self.sizer.model
+            ceiling = self.sizer.ceiling_bytes
+            log.info(
+                "memory model: %.0f bytes/token + %.1f bytes/token x length; ceiling %s",
+                model.alpha, model.beta,
+                "none" if ceiling == float("inf") else f"{ceiling / 2**20:.0f} MiB",
+            )  # fmt: skip
 
     def _batcher_done(self, task: asyncio.Task[None]) -> None:
         self.metrics.ready.set(0)
@@ -150,7 +235,11 @@ class Runtime:
                 await self._task
         if self.batcher is not None:
             self.batcher.fail_waiting(ShuttingDown("the server stopped before this input ran"))
-        await asyncio.to_thread(self.model_thread.close)
+        # Waits for a running forward pass on an existing thread (no new one under a limit).
+        await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_thread, self.model_thread.close
+        )
+        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     async def infer(
         self,
@@ -164,11 +253,12 @@ class Runtime:
         """Queue every input as one item and wait for all of them; return outputs and tokens."""
         if not self.ready or self.model is None:
             raise not_ready()
+        loop = asyncio.get_running_loop()
         if sum(len(text) for text in inputs) > INLINE_TOKENIZE_CHARS:
-            items = await asyncio.to_thread(self.model.prepare, inputs, truncate=truncate)
+            prepare = functools.partial(self.model.prepare, inputs, truncate=truncate)
+            items = await loop.run_in_executor(self.tokenizer_thread, prepare)
         else:
             items = self.model.prepare(inputs, truncate=truncate)
-        loop = asyncio.get_running_loop()
         now = self.clock.now()
         deadline = now + timeout_s
         pendings = [
@@ -197,3 +287,16 @@ class Runtime:
                 if not pending.future.done():
                     pending.future.cancel()
         return outputs, sum(item.cost for item in items)
+
+
+def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
+    if settings.sizer == "fixed":
+        return FixedSizer(settings.max_batch_size, settings.max_batch_tokens)
+    shape = info.shape
+    prior = prior_peak_model(
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_heads=shape.num_heads,
+        element_bytes=shape.element_bytes,
+    )
+    return AdaptiveSizer(prior, settings.adaptive_config())

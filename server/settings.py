@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import ByteSize, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from batching import BatcherConfig
+from batching import AdaptiveConfig, BatcherConfig
 from models import BUNDLED_MODEL, ModelSpec
 
 
@@ -43,6 +44,13 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Serve /metrics on this port (same address) instead of the main port, so "
+        "it stays off the public path.",
+    )
     max_batch_size: int = Field(32, ge=1, description="Most items in one forward pass.")
     max_batch_tokens: int = Field(
         4096, ge=1, description="Most padded tokens (items x longest input) in one forward pass."
@@ -72,6 +80,34 @@ class Settings(BaseSettings):
     max_timeout_s: float = Field(
         300.0, gt=0, description="Cap on a request's timeout_s (longer values are capped)."
     )
+    sizer: Literal["adaptive", "fixed"] = Field(
+        "adaptive",
+        description="adaptive sizes each batch from live memory readings; fixed uses only "
+        "max_batch_size and max_batch_tokens.",
+    )
+    memory_headroom: float = Field(
+        0.15,
+        ge=0,
+        lt=1,
+        description="Share of the free memory the adaptive sizer leaves unused.",
+    )
+    memory_limit: ByteSize | None = Field(
+        None,
+        description="Most memory the server lets itself use (e.g. 2GiB): caps the batch budget, "
+        "and on CPU also sets an address-space limit once the model is loaded, so a runaway "
+        "batch gets a real allocation failure instead of swapping the host.",
+    )
+    target_latency_ms: float | None = Field(
+        None,
+        gt=0,
+        description="Optional cap on a batch's compute time: padded tokens shrink after a "
+        "slower batch and grow back after faster ones (AIMD).",
+    )
+    oom_split: bool = Field(
+        True,
+        description="Retry a batch that ran out of memory as two halves, down to one input; "
+        "off fails the whole batch with 507, as most servers do.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
@@ -85,6 +121,12 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_metrics_port(self) -> Settings:
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port ({self.metrics_port}) must differ from port")
+        return self
+
     def model_spec(self) -> ModelSpec:
         return ModelSpec(
             model=self.model,
@@ -96,7 +138,15 @@ class Settings(BaseSettings):
         )
 
     def batcher_config(self) -> BatcherConfig:
-        return BatcherConfig(max_wait_s=self.max_wait_ms / 1000)
+        return BatcherConfig(max_wait_s=self.max_wait_ms / 1000, oom_split=self.oom_split)
+
+    def adaptive_config(self) -> AdaptiveConfig:
+        return AdaptiveConfig(
+            max_items=self.max_batch_size,
+            max_tokens=self.max_batch_tokens,
+            headroom_fraction=self.memory_headroom,
+            target_latency_s=self.target_latency_ms / 1000 if self.target_latency_ms else None,
+        )
 
     def server_config(self) -> ServerConfig:
         return ServerConfig(
@@ -119,3 +169,32 @@ class ServerConfig:
     max_queue_items: int
     max_batch_size: int
     max_batch_tokens: int
+
+
+class LauncherSettings(BaseSettings):
+    """``batchfit up``: several replicas behind a local Nginx. Flags of ``batchfit up``; the
+    replicas' own settings are the ``serve`` flags, passed through to every replica."""
+
+    model_config = SettingsConfigDict(env_prefix="BATCHFIT_UP_", frozen=True, extra="forbid")
+
+    replicas: int = Field(2, ge=1, le=64, description="Number of replicas to start.")
+    host: str = Field("127.0.0.1", description="Address Nginx listens on.")
+    port: int = Field(8080, ge=1, le=65535, description="Port Nginx listens on.")
+    rate_limit_rps: int = Field(
+        100, ge=1, description="Requests per second per client before Nginx answers 429."
+    )
+    rate_limit_burst: int = Field(
+        200, ge=1, description="Requests per client allowed above the rate in a burst."
+    )
+    ready_timeout_s: float = Field(
+        300.0, gt=0, description="How long to wait for every replica to be ready."
+    )
+    stop_timeout_s: float = Field(
+        60.0, gt=0, description="How long a stopping replica may take before it is killed."
+    )
+    nginx: str = Field("nginx", description="The Nginx binary (open-source Nginx).")
+    workdir: Path | None = Field(
+        None,
+        description="Folder for the Nginx prefix, config and logs (kept); by default a "
+        "temporary folder removed at exit.",
+    )

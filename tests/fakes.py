@@ -7,6 +7,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from batching import MemoryReading
 from models import ArchitectureShape, Item, ModelInfo, ModelOutOfMemory
 
 SHAPE = ArchitectureShape(
@@ -83,3 +84,25 @@ class ScriptedModel:
             raise ModelOutOfMemory(f"scripted OOM at {len(items)} items", requested_bytes=2**20)
         self.seen.extend(str(item.data) for item in items)
         return [f"out:{item.data}" for item in items]
+
+
+class ScriptedProbe:
+    """A memory probe whose free memory the test sets; it measures no peaks."""
+
+    name = "scripted"
+
+    def __init__(self, free_bytes: int) -> None:
+        self.free_bytes = free_bytes
+        self.released = 0
+
+    def read(self) -> MemoryReading:
+        return MemoryReading(free_bytes=self.free_bytes, used_bytes=0, sources=("scripted",))
+
+    def start_batch(self) -> int | None:
+        return None
+
+    def batch_peak(self) -> int | None:
+        return None
+
+    def release_cache(self) -> None:
+        self.released += 1

@@ -1,0 +1,342 @@
+"""Memory probes: what is free right now, and the peak of one batch.
+
+Three real sources behind one interface: NVML (the device, other processes included),
+torch.cuda (the caching allocator and exact per-batch peaks) and the host (/proc, cgroup and
+the address-space limit). ``CompositeProbe`` combines them and drops a failing one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import resource
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+UNLIMITED = 2**60  # cgroup and rlimit "no limit" values are at or above this
+
+
+class ProbeError(Exception):
+    """A probe could not read (no driver, unreadable file, odd values)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReading:
+    """One look at memory. ``free_bytes`` is what this process could still allocate."""
+
+    free_bytes: int | None = None
+    used_bytes: int | None = None  # by this process: RSS on the host, reserved on CUDA
+    device_used_bytes: int | None = None
+    device_total_bytes: int | None = None
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    resident_bytes: int | None = None
+    sources: tuple[str, ...] = field(default=())
+
+
+class MemoryProbe(Protocol):
+    name: str
+
+    def read(self) -> MemoryReading: ...
+
+    def start_batch(self) -> int | None:
+        """Reset peak tracking; return memory in use now (the batch's baseline)."""
+        ...
+
+    def batch_peak(self) -> int | None:
+        """Peak memory in use since ``start_batch`` (same scale as its baseline)."""
+        ...
+
+
+def parse_kib_fields(text: str) -> dict[str, int]:
+    """``Name:   123 kB`` lines (/proc/meminfo, /proc/self/status) to bytes."""
+    values = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            values[name.strip()] = int(parts[0]) * 1024
+    return values
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    value = int(text)
+    return None if value >= UNLIMITED else value
+
+
+def cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes left under this cgroup's memory limit, or None when there is no limit."""
+    for limit_file, usage_file in (
+        (root / "memory.max", root / "memory.current"),  # cgroup v2
+        (root / "memory" / "memory.limit_in_bytes", root / "memory" / "memory.usage_in_bytes"),
+    ):
+        limit = _read_int(limit_file)
+        if limit is not None:
+            usage = _read_int(usage_file) or 0
+            return max(0, limit - usage)
+    return None
+
+
+class HostProbe:
+    """The CPU host: resident memory, its per-batch peak, and the tightest of three rooms.
+
+    Free is the smallest of MemAvailable, the cgroup limit's room, the address-space limit's
+    room (RLIMIT_AS minus VmSize) and the configured ``memory_limit_bytes`` minus RSS. The
+    per-batch peak is VmHWM after resetting it through ``/proc/self/clear_refs``.
+    """
+
+    name = "host"
+
+    def __init__(self, *, memory_limit_bytes: int | None = None, proc: Path = Path("/proc")):
+        self.memory_limit_bytes = memory_limit_bytes
+        self._proc = proc
+        self._can_reset_peak = True
+
+    def _status(self) -> dict[str, int]:
+        try:
+            return parse_kib_fields((self._proc / "self" / "status").read_text())
+        except OSError as exc:
+            raise ProbeError(f"cannot read {self._proc}/self/status: {exc}") from exc
+
+    def read(self) -> MemoryReading:
+        status = self._status()
+        try:
+            meminfo = parse_kib_fields((self._proc / "meminfo").read_text())
+        except OSError as exc:
+            raise ProbeError(f"cannot read {self._proc}/meminfo: {exc}") from exc
+        if "VmRSS" not in status or "MemAvailable" not in meminfo:
+            raise ProbeError("VmRSS or MemAvailable missing")
+        rss = status["VmRSS"]
+        rooms = [meminfo["MemAvailable"]]
+        cgroup = cgroup_room()
+        if cgroup is not None:
+            rooms.append(cgroup)
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY and soft < UNLIMITED:
+            rooms.append(max(0, soft - status.get("VmSize", 0)))
+        if self.memory_limit_bytes is not None:
+            rooms.append(max(0, self.memory_limit_bytes - rss))
+        free = min(rooms)
+        return MemoryReading(
+            free_bytes=free, used_bytes=rss, resident_bytes=rss, sources=(self.name,)
+        )
+
+    def start_batch(self) -> int | None:
+        if self._can_reset_peak:
+            try:
+                (self._proc / "self" / "clear_refs").write_text("5")
+            except OSError as exc:
+                self._can_reset_peak = False
+                log.warning("cannot reset the peak RSS (%s); batch peaks are not measured", exc)
+        return self._status().get("VmRSS")
+
+    def batch_peak(self) -> int | None:
+        return self._status().get("VmHWM") if self._can_reset_peak else None
+
+
+class TorchCudaProbe:
+    """torch.cuda: free device memory plus the allocator's reusable cache; exact peaks."""
+
+    name = "torch.cuda"
+
+    def __init__(
+        self, device: str, *, memory_limit_bytes: int | None = None, cuda: object | None = None
+    ) -> None:
+        if cuda is None:
+            import torch
+
+            cuda = torch.cuda
+        if not cuda.is_available():
+            raise ProbeError("CUDA is not available")
+        self._cuda = cuda
+        self._device = device
+        self.memory_limit_bytes = memory_limit_bytes
+
+    def read(self) -> MemoryReading:
+        try:
+            free, total = self._cuda.mem_get_info(self._device)
+            allocated = self._cuda.memory_allocated(self._device)
+            reserved = self._cuda.memory_reserved(self._device)
+        except RuntimeError as exc:
+            raise ProbeError(f"torch.cuda: {exc}") from exc
+        # Cached but unused blocks are free for us, though not for other processes.
+        room = free + (reserved - allocated)
+        if self.memory_limit_bytes is not None:
+            room = min(room, max(0, self.memory_limit_bytes - allocated))
+        return MemoryReading(
+            free_bytes=room, used_bytes=reserved, allocated_bytes=allocated,
+            reserved_bytes=reserved, device_total_bytes=total,
+            device_used_bytes=total - free, sources=(self.name,),
+        )  # fmt: skip
+
+    def start_batch(self) -> int | None:
+        self._cuda.reset_peak_memory_stats(self._device)
+        return self._cuda.memory_allocated(self._device)
+
+    def batch_peak(self) -> int | None:
+        return self._cuda.max_memory_allocated(self._device)
+
+    def release_cache(self) -> None:
+        self._cuda.empty_cache()
+
+
+class NvmlProbe:
+    """NVML: the device's used and total memory, every process included."""
+
+    name = "nvml"
+
+    def __init__(self, device_index: int = 0, *, nvml: object | None = None) -> None:
+        if nvml is None:
+            import pynvml as nvml
+        self._nvml = nvml
+        try:
+            nvml.nvmlInit()
+            self._handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
+        except Exception as exc:  # NVMLError has many subclasses; all mean "no NVML here"
+            raise ProbeError(f"NVML unavailable: {exc}") from exc
+
+    def read(self) -> MemoryReading:
+        try:
+            info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        except Exception as exc:
+            raise ProbeError(f"NVML read failed: {exc}") from exc
+        if info.total <= 0 or info.used > info.total:
+            raise ProbeError(f"odd NVML reading: used={info.used} total={info.total}")
+        return MemoryReading(
+            free_bytes=int(info.free), device_used_bytes=int(info.used),
+            device_total_bytes=int(info.total), sources=(self.name,),
+        )  # fmt: skip
+
+    def start_batch(self) -> int | None:
+        return None
+
+    def batch_peak(self) -> int | None:
+        return None
+
+
+class CompositeProbe:
+    """Reads every probe; free is the smallest any of them reports. A probe that fails is
+    logged once and dropped; with none left, readings are empty and the sizer falls back to
+    its fixed budget. Peaks come from the first probe that measures them."""
+
+    name = "composite"
+
+    def __init__(self, probes: list[MemoryProbe]) -> None:
+        self.probes = list(probes)
+
+    def read(self) -> MemoryReading:
+        merged = MemoryReading()
+        for probe in list(self.probes):
+            try:
+                reading = probe.read()
+            except ProbeError as exc:
+                log.warning("memory probe %s failed and is dropped: %s", probe.name, exc)
+                self.probes.remove(probe)
+                continue
+            merged = _merge(merged, reading)
+        return merged
+
+    def start_batch(self) -> int | None:
+        for probe in self.probes:
+            baseline = probe.start_batch()
+            if baseline is not None:
+                return baseline
+        return None
+
+    def batch_peak(self) -> int | None:
+        for probe in self.probes:
+            peak = probe.batch_peak()
+            if peak is not None:
+                return peak
+        return None
+
+    def release_cache(self) -> None:
+        for probe in self.probes:
+            release = getattr(probe, "release_cache", None)
+            if release is not None:
+                release()
+
+
+def _merge(a: MemoryReading, b: MemoryReading) -> MemoryReading:
+    free = b.free_bytes if a.free_bytes is None else a.free_bytes
+    if a.free_bytes is not None and b.free_bytes is not None:
+        free = min(a.free_bytes, b.free_bytes)
+    values = {
+        name: getattr(a, name) if getattr(a, name) is not None else getattr(b, name)
+        for name in ("used_bytes", "device_used_bytes", "device_total_bytes",
+                     "allocated_bytes", "reserved_bytes", "resident_bytes")
+    }  # fmt: skip
+    return replace(a, free_bytes=free, sources=a.sources + b.sources, **values)
+
+
+def probes_for_device(device: str, *, memory_limit_bytes: int | None = None) -> CompositeProbe:
+    """NVML and torch.cuda on a CUDA device, the host probe on CPU."""
+    probes: list[MemoryProbe] = []
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        for make in (
+            lambda: TorchCudaProbe(device, memory_limit_bytes=memory_limit_bytes),
+            lambda: NvmlProbe(index),
+        ):
+            try:
+                probes.append(make())
+            except (ProbeError, ImportError) as exc:
+                log.warning("memory probe unavailable: %s", exc)
+    else:
+        probes.append(HostProbe(memory_limit_bytes=memory_limit_bytes))
+    return CompositeProbe(probes)
+
+
+THREAD_RESERVE_BYTES = 256 * 2**20
+
+
+def limit_address_space(
+    room_bytes: int, *, reserve_bytes: int = THREAD_RESERVE_BYTES, proc: Path = Path("/proc")
+) -> int:
+    """Cap this process's address space at its current size plus ``room_bytes``, so that a
+    runaway batch gets a real allocation failure instead of swapping the host. Returns the
+    limit set.
+
+    ``reserve_bytes`` more is allowed for address space that is not memory: thread stacks
+    and malloc arenas of threads started later (OpenMP's pool at the first forward pass, the
+    tokenizer threads) reserve address space they never touch."""
+    status = parse_kib_fields((proc / "self" / "status").read_text())
+    limit = status["VmSize"] + room_bytes + reserve_bytes
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    return limit
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_host_allocator(*, measuring: bool) -> bool:
+    """Make glibc's malloc hand large blocks back to the kernel so RSS peaks measure a batch.
+
+    While ``measuring`` (warm-up calibration), blocks of 1 MiB and more are mmapped and
+    unmapped on free, so VmHWM minus the baseline is the batch's real footprint. Afterwards
+    the thresholds go to glibc's own steady state (32 MiB mmap, 64 MiB trim): unmapping every
+    block costs a page fault per page on the next batch. Returns False where there is no
+    glibc (nothing changed).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mmap_threshold, trim_threshold = (2**20, 2**20) if measuring else (32 * 2**20, 64 * 2**20)
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+    )

@@ -1,0 +1,221 @@
+"""Adaptive sizing against fixed batch sizes under one memory limit (issue 3's benchmark).
+
+Each setting runs the same seeded mixed-length workload against a fresh replica started with
+the same ``--memory-limit``. Fixed sizes behave as most servers do: an OOM fails the whole
+batch (``--no-oom-split``). Run: ``python -m bench.memory_limit`` (loopback only, bounded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+WORDS = [
+    "the",
+    "a",
+    "memory",
+    "batch",
+    "model",
+    "token",
+    "server",
+    "queue",
+    "latency",
+    "budget",
+    "probe",
+    "split",
+    "fast",
+    "slow",
+    "inference",
+    "request",
+    "answer",
+    "vector",
+    "text",
+    "sentence",
+    "replica",
+    "nginx",
+    "metric",
+]
+
+
+def make_workload(num_requests: int, seed: int) -> list[list[str]]:
+    """Mostly short inputs, some medium, a few at the model's maximum; 1-4 per request."""
+    rng = random.Random(seed)
+
+    def text() -> str:
+        kind = rng.random()
+        words = rng.randint(5, 20) if kind < 0.7 else rng.randint(40, 100) if kind < 0.9 else 300
+        return " ".join(rng.choice(WORDS) for _ in range(words))
+
+    return [[text() for _ in range(rng.randint(1, 4))] for _ in range(num_requests)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RssSampler(threading.Thread):
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.path = Path(f"/proc/{pid}/status")
+        self.peak_kib = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            with contextlib.suppress(OSError):
+                match = re.search(r"VmRSS:\s+(\d+)", self.path.read_text())
+                if match:
+                    self.peak_kib = max(self.peak_kib, int(match.group(1)))
+
+
+@contextlib.contextmanager
+def replica(flags: list[str], log_path: Path) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server", "serve", "--port", str(port), "--log-level",
+             "warning", *flags],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"replica exited: {log_path.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        else:
+            raise TimeoutError("replica not ready")
+        yield url, process.pid
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@dataclass
+class Result:
+    name: str
+    inputs_per_s: float
+    p50_s: float
+    p99_s: float
+    failed: int
+    statuses: Counter
+    oom_events: float
+    peak_rss_mib: float
+
+
+async def drive(
+    url: str, workload: list[list[str]], concurrency: int
+) -> tuple[list[float], Counter, int]:
+    latencies: list[float] = []
+    statuses: Counter = Counter()
+    ok_inputs = 0
+    queue = list(reversed(workload))
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
+        async def worker() -> None:
+            while queue:
+                inputs = queue.pop()
+                started = time.perf_counter()
+                response = await client.post("/v1/infer", json={"inputs": inputs, "timeout_s": 300})
+                latencies.append(time.perf_counter() - started)
+                statuses[response.status_code] += 1
+                if response.status_code == 200:
+                    nonlocal ok_inputs
+                    ok_inputs += len(inputs)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, statuses, ok_inputs
+
+
+def run_setting(name, flags, workload, concurrency, log_dir) -> Result:
+    with replica(flags, log_dir / f"{name}.log") as (url, pid):
+        sampler = RssSampler(pid)
+        sampler.start()
+        started = time.perf_counter()
+        latencies, statuses, ok_inputs = asyncio.run(drive(url, workload, concurrency))
+        elapsed = time.perf_counter() - started
+        sampler.stop.set()
+        sampler.join()
+        scrape = httpx.get(f"{url}/metrics").text
+    ooms = sum(
+        float(v) for v in re.findall(r"^batchfit_oom_events_total\{.*\} (\S+)$", scrape, re.M)
+    )
+    latencies.sort()
+    return Result(
+        name=name,
+        inputs_per_s=ok_inputs / elapsed,
+        p50_s=statistics.median(latencies),
+        p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        failed=sum(n for code, n in statuses.items() if code != 200),
+        statuses=statuses,
+        oom_events=ooms,
+        peak_rss_mib=sampler.peak_kib / 1024,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory-limit", default="640MiB")
+    parser.add_argument("--requests", type=int, default=240)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--fixed", default="8,32,128,512", help="fixed batch sizes to compare")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--log-dir", type=Path, default=Path("bench-results"))
+    args = parser.parse_args(argv)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    workload = make_workload(args.requests, args.seed)
+    common = ["--memory-limit", args.memory_limit, "--max-wait-ms", "5"]
+    settings = [("adaptive", [*common, "--max-batch-size", "512", "--max-batch-tokens", "131072"])]
+    for size in (int(s) for s in args.fixed.split(",")):
+        settings.append((
+            f"fixed-{size}",
+            [*common, "--sizer", "fixed", "--no-oom-split", "--max-batch-size", str(size),
+             "--max-batch-tokens", str(size * 256)],
+        ))  # fmt: skip
+    print(f"{args.requests} requests ({sum(map(len, workload))} inputs), {args.concurrency} "
+          f"clients, memory limit {args.memory_limit}")  # fmt: skip
+    print(f"{'setting':<12}{'inputs/s':>10}{'p50 s':>8}{'p99 s':>8}{'failed':>8}"
+          f"{'OOMs':>6}{'peak RSS MiB':>14}  statuses")  # fmt: skip
+    results = []
+    for name, flags in settings:
+        result = run_setting(name, flags, workload, args.concurrency, args.log_dir)
+        results.append(result)
+        print(f"{result.name:<12}{result.inputs_per_s:>10.1f}{result.p50_s:>8.2f}"
+              f"{result.p99_s:>8.2f}{result.failed:>8}{result.oom_events:>6.0f}"
+              f"{result.peak_rss_mib:>14.0f}  {dict(result.statuses)}", flush=True)  # fmt: skip
+    clean = [r for r in results[1:] if r.failed == 0]
+    if clean:
+        best = max(clean, key=lambda r: r.inputs_per_s)
+        ratio = results[0].inputs_per_s / best.inputs_per_s
+        print(f"adaptive / best fixed that fails nothing ({best.name}): {ratio:.2f}x; "
+              f"adaptive failures: {results[0].failed}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""Writes deploy/grafana/dashboards/*.json. Edit here, then run:
+
+    python deploy/grafana/build_dashboards.py
+
+tests/test_dashboards.py fails when the committed JSON differs from what this script writes,
+and tests/integration/test_observability.py evaluates every expression against a real
+Prometheus scraping a real replica.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+DASHBOARDS = Path(__file__).resolve().parent / "dashboards"
+DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
+# Grafana fills these in; tests substitute them before asking Prometheus.
+SEL = 'instance=~"$instance"'
+WINDOW = "$__rate_interval"
+API = f'endpoint!="other",{SEL}'  # the API endpoints, not health checks or scrapes
+
+Panel = dict[str, Any]
+
+
+def target(expr: str, legend: str, ref: str, **extra: Any) -> dict[str, Any]:
+    return {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "refId": ref, **extra}
+
+
+def timeseries(title: str, unit: str, targets: list[tuple[str, str]], *, bars: bool = False,
+               description: str = "") -> Panel:  # fmt: skip
+    custom: dict[str, Any] = {"drawStyle": "bars" if bars else "line", "fillOpacity": 10}
+    if bars:
+        custom.update(fillOpacity=80, stacking={"mode": "normal", "group": "A"})
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "fieldConfig": {"defaults": {"unit": unit, "custom": custom}, "overrides": []},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+        "targets": [target(e, legend, chr(ord("A") + i)) for i, (e, legend) in enumerate(targets)],
+    }
+
+
+def heatmap(title: str, metric: str, description: str) -> Panel:
+    return {
+        "type": "heatmap",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "options": {
+            "calculate": False,
+            "cellGap": 1,
+            "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+            "yAxis": {"axisPlacement": "left", "unit": "short"},
+            "tooltip": {"mode": "single", "yHistogram": True},
+        },
+        "targets": [
+            target(
+                f"sum by (le) (increase({metric}_bucket{{{SEL}}}[{WINDOW}]))",
+                "{{le}}",
+                "A",
+                format="heatmap",
+            )
+        ],
+    }
+
+
+def quantiles(metric: str, labels: str, by: str = "le") -> list[tuple[str, str]]:
+    prefix = "{{instance}} " if "instance" in by else ""
+    return [
+        (
+            f"histogram_quantile({q}, sum by ({by}) (rate({metric}_bucket{{{labels}}}[{WINDOW}])))",
+            f"{prefix}p{round(q * 100)}",
+        )
+        for q in (0.5, 0.95, 0.99)
+    ]
+
+
+def ratio(numerator: str, denominator: str) -> str:
+    return f"sum(rate({numerator}[{WINDOW}])) / sum(rate({denominator}[{WINDOW}]))"
+
+
+def latency_row() -> list[Panel]:
+    infer = f'endpoint="/v1/infer",{SEL}'
+    return [
+        timeseries(
+            "Request latency, fleet (p50 / p95 / p99)", "s",
+            quantiles("batchfit_request_duration_seconds", infer),
+            description="End-to-end latency of /v1/infer inside the replicas, all replicas "
+            "pooled (histogram_quantile over sum by le).",
+        ),
+        timeseries(
+            "Request latency per replica (p50 / p95 / p99)", "s",
+            quantiles("batchfit_request_duration_seconds", infer, by="le, instance"),
+        ),
+        timeseries(
+            "Queue wait (p50 / p95 / p99)", "s",
+            quantiles("batchfit_queue_wait_seconds", SEL),
+            description="From admission to the start of the item's batch.",
+        ),
+        timeseries(
+            "Batch execution time (p50 / p95 / p99)", "s",
+            quantiles("batchfit_batch_duration_seconds", SEL),
+            description="Wall time of one forward pass on the model thread.",
+        ),
+    ]  # fmt: skip
+
+
+def throughput_row() -> list[Panel]:
+    total = f"sum(rate(batchfit_requests_total{{{API}}}[{WINDOW}]))"
+    return [
+        timeseries(
+            "Requests per second by status code", "reqps",
+            [(f"sum by (code) (rate(batchfit_requests_total{{{API}}}[{WINDOW}]))", "{{code}}")],
+        ),
+        timeseries(
+            "Error ratio", "percentunit",
+            [
+                (f'(sum(rate(batchfit_requests_total{{{API},code=~"5.."}}[{WINDOW}])) or '
+                 f"vector(0)) / {total}", "5xx"),
+                (f'(sum(rate(batchfit_requests_total{{{API},code=~"4.."}}[{WINDOW}])) or '
+                 f"vector(0)) / {total}", "4xx"),
+            ],
+            description="Share of API requests answered with 5xx (server side, including 504 "
+            "deadline and 507 out of memory) and 4xx (client side, including 429 overloaded).",
+        ),
+        timeseries(
+            "Rejections by reason", "reqps",
+            [(f"sum by (reason) (rate(batchfit_rejections_total{{{SEL}}}[{WINDOW}]))",
+              "{{reason}}")],
+            description="Requests refused before or instead of compute.",
+        ),
+        timeseries(
+            "Errors by type", "reqps",
+            [(f'sum by (error_type) (rate(batchfit_requests_total{{{API},error_type!=""}}'
+              f"[{WINDOW}]))", "{{error_type}}")],
+        ),
+        timeseries(
+            "Inputs and tokens per second", "short",
+            [
+                (f"sum(rate(batchfit_inputs_total{{{SEL}}}[{WINDOW}]))", "inputs/s"),
+                (f"sum(rate(batchfit_input_tokens_total{{{SEL}}}[{WINDOW}]))", "tokens/s"),
+            ],
+        ),
+        timeseries(
+            "Cancellations by stage", "short",
+            [(f"sum by (stage) (rate(batchfit_cancelled_items_total{{{SEL}}}[{WINDOW}]))",
+              "{{stage}}")],
+            description="Items whose request went away while queued (dropped before compute) "
+            "or while running (result discarded).",
+        ),
+        timeseries(
+            "Queue depth, capacity and requests in flight", "short",
+            [
+                (f"batchfit_queue_depth{{{SEL}}}", "{{instance}} depth"),
+                (f"batchfit_queue_capacity{{{SEL}}}", "{{instance}} capacity"),
+                (f"batchfit_requests_in_flight{{{SEL}}}", "{{instance}} in flight"),
+            ],
+        ),
+        timeseries(
+            "Ready and draining", "short",
+            [
+                (f"batchfit_ready{{{SEL}}}", "{{instance}} ready"),
+                (f"batchfit_draining{{{SEL}}}", "{{instance}} draining"),
+                (f"batchfit_model_info{{{SEL}}}",
+                 "{{instance}} {{name}} on {{device}} ({{dtype}})"),
+            ],
+        ),
+    ]  # fmt: skip
+
+
+def batching_row() -> list[Panel]:
+    return [
+        timeseries(
+            "Mean batch size", "short",
+            [
+                (ratio(f"batchfit_batch_size_sum{{{SEL}}}", f"batchfit_batch_size_count{{{SEL}}}"),
+                 "fleet"),
+                (f"sum by (instance) (rate(batchfit_batch_size_sum{{{SEL}}}[{WINDOW}])) / "
+                 f"sum by (instance) (rate(batchfit_batch_size_count{{{SEL}}}[{WINDOW}]))",
+                 "{{instance}}"),
+            ],
+        ),
+        heatmap("Batch size", "batchfit_batch_size", "Items per forward pass (powers of two)."),
+        heatmap(
+            "Batch tokens", "batchfit_batch_tokens",
+            "Padded tokens (items x longest input) per forward pass.",
+        ),
+        timeseries(
+            "Padding ratio (padded / real tokens)", "short",
+            [
+                (ratio(f"batchfit_batch_padded_tokens_total{{{SEL}}}",
+                       f"batchfit_batch_real_tokens_total{{{SEL}}}"), "mean"),
+                (f"histogram_quantile(0.9, sum by (le) "
+                 f"(rate(batchfit_batch_padding_ratio_bucket{{{SEL}}}[{WINDOW}])))", "p90"),
+            ],
+            description="1 means no padding; the planner groups items of similar length.",
+        ),
+        timeseries(
+            "Batch budget: items and tokens", "short",
+            [
+                (f"batchfit_batch_budget_items{{{SEL}}}", "{{instance}} items"),
+                (f"batchfit_batch_budget_tokens{{{SEL}}}", "{{instance}} tokens"),
+            ],
+            description="The sizer's budget for the next batch.",
+        ),
+        timeseries(
+            "Batch budget: bytes", "bytes",
+            [(f"batchfit_batch_budget_bytes{{{SEL}}}", "{{instance}}")],
+            description="Predicted-peak budget of the next batch: free memory less headroom.",
+        ),
+        timeseries(
+            "Failed batches", "short",
+            [(f"sum(rate(batchfit_batch_failures_total{{{SEL}}}[{WINDOW}]))", "failed/s")],
+            description="Forward passes that failed for a reason other than memory.",
+        ),
+    ]  # fmt: skip
+
+
+def memory_row() -> list[Panel]:
+    return [
+        timeseries(
+            "Device memory: used vs total (NVML)", "bytes",
+            [
+                (f"batchfit_device_memory_used_bytes{{{SEL}}}", "{{instance}} used"),
+                (f"batchfit_device_memory_total_bytes{{{SEL}}}", "{{instance}} total"),
+            ],
+            description="All processes on the device; 0 on CPU replicas.",
+        ),
+        timeseries(
+            "Torch: allocated vs reserved", "bytes",
+            [
+                (f"batchfit_torch_allocated_bytes{{{SEL}}}", "{{instance}} allocated"),
+                (f"batchfit_torch_reserved_bytes{{{SEL}}}", "{{instance}} reserved"),
+                (f"batchfit_torch_reserved_bytes{{{SEL}}} - "
+                 f"batchfit_torch_allocated_bytes{{{SEL}}}", "{{instance}} gap"),
+            ],
+            description="The gap is what the caching allocator holds but no tensor uses.",
+        ),
+        timeseries(
+            "Host memory: resident and available", "bytes",
+            [
+                (f"batchfit_host_resident_bytes{{{SEL}}}", "{{instance}} resident"),
+                (f"batchfit_host_available_bytes{{{SEL}}}", "{{instance}} available"),
+            ],
+        ),
+        timeseries(
+            "Batch peak: predicted vs measured", "bytes",
+            [
+                (f"batchfit_batch_predicted_peak_bytes{{{SEL}}}", "{{instance}} predicted"),
+                (f"batchfit_batch_measured_peak_bytes{{{SEL}}}", "{{instance}} measured"),
+            ],
+            description="Above the memory in use before the batch. Measured above predicted "
+            "means the sizer under-estimated.",
+        ),
+        timeseries(
+            "Measured / predicted peak (p50 / p99)", "short",
+            [
+                (f"histogram_quantile({q}, sum by (le) "
+                 f"(rate(batchfit_batch_peak_ratio_bucket{{{SEL}}}[{WINDOW}])))", f"p{p}")
+                for q, p in ((0.5, 50), (0.99, 99))
+            ],
+            description="Below 1: the prediction was safe.",
+        ),
+        timeseries(
+            "Headroom and free memory at dispatch", "bytes",
+            [
+                (f"batchfit_memory_headroom_bytes{{{SEL}}}", "{{instance}} headroom"),
+                (f"batchfit_memory_free_bytes{{{SEL}}}", "{{instance}} free"),
+            ],
+        ),
+        timeseries(
+            "OOM events by outcome (split / failed)", "short",
+            [(f"sum by (outcome) (increase(batchfit_oom_events_total{{{SEL}}}[{WINDOW}]))",
+              "{{outcome}}")],
+            bars=True,
+            description="split: the batch ran out of memory and was retried as two halves; "
+            "failed: a single input that does not fit, its request got 507.",
+        ),
+    ]  # fmt: skip
+
+
+ROWS = (
+    ("Latency", latency_row),
+    ("Throughput and errors", throughput_row),
+    ("Batching", batching_row),
+    ("Memory", memory_row),
+)
+
+
+def layout(rows: tuple[tuple[str, Any], ...]) -> list[Panel]:
+    """Rows in order, two panels of 12 columns side by side under each."""
+    panels: list[Panel] = []
+    y = 0
+    for row_title, build in rows:
+        panels.append(
+            {"type": "row", "title": row_title, "collapsed": False, "panels": [],
+             "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}}
+        )  # fmt: skip
+        y += 1
+        for i, panel in enumerate(build()):
+            panel["gridPos"] = {"h": 8, "w": 12, "x": 12 * (i % 2), "y": y + 8 * (i // 2)}
+            panels.append(panel)
+        y += 8 * ((len(build()) + 1) // 2)
+    for panel_id, panel in enumerate(panels, start=1):
+        panel["id"] = panel_id
+    return panels
+
+
+def batchfit_dashboard() -> dict[str, Any]:
+    return {
+        "uid": "batchfit",
+        "title": "Batchfit",
+        "description": "Latency, throughput, batching and memory of the Batchfit replicas.",
+        "tags": ["batchfit"],
+        "timezone": "utc",
+        "editable": False,
+        "refresh": "10s",
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-30m", "to": "now"},
+        "annotations": {"list": []},
+        "templating": {
+            "list": [
+                {
+                    "name": "instance",
+                    "label": "Replica",
+                    "type": "query",
+                    "datasource": DATASOURCE,
+                    "query": {"query": "label_values(batchfit_ready, instance)", "refId": "A"},
+                    "definition": "label_values(batchfit_ready, instance)",
+                    "refresh": 2,
+                    "multi": True,
+                    "includeAll": True,
+                    "allValue": ".*",
+                    "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+                    "sort": 1,
+                }
+            ]
+        },
+        "panels": layout(ROWS),
+    }
+
+
+DASHBOARD_FILES = {"batchfit.json": batchfit_dashboard}
+
+
+def render(build: Any) -> str:
+    return json.dumps(build(), indent=2) + "\n"
+
+
+def main() -> int:
+    DASHBOARDS.mkdir(exist_ok=True)
+    for name, build in DASHBOARD_FILES.items():
+        (DASHBOARDS / name).write_text(render(build))
+        print(f"wrote {DASHBOARDS / name}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

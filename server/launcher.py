@@ -1,0 +1,312 @@
+"""``batchfit up``: N replicas on loopback ports and a real Nginx in front of them.
+
+The launcher owns every process it starts: replicas and Nginx run in their own sessions (a
+terminal's Ctrl-C reaches only the launcher, which then stops them in order: Nginx first, then
+the replicas, each given ``stop_timeout_s``), and they get SIGTERM if the launcher itself dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import httpx
+from pydantic import ValidationError
+
+from .nginx import (
+    NginxConfig,
+    check_config,
+    nginx_command,
+    prepare_prefix,
+    read_timeout_for,
+    render,
+)
+from .settings import LauncherSettings, Settings
+
+log = logging.getLogger("batchfit.launcher")
+_PR_SET_PDEATHSIG = 1
+# The launcher picks each replica's addresses itself (a free loopback port for HTTP and one
+# for /metrics, so N replicas never collide and metrics stay off the Nginx path).
+REPLICA_ADDRESS_FIELDS = frozenset({"host", "port", "metrics_port"})
+POLL_S = 0.2
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    url: str = ""
+    metrics_url: str = ""
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+class LaunchFailed(Exception):
+    pass
+
+
+def up(args: argparse.Namespace) -> int:
+    """Entry point of ``batchfit up`` (after argument parsing)."""
+    given = vars(args)
+    try:
+        launcher = LauncherSettings(
+            **{k: v for k, v in given.items() if k in LauncherSettings.model_fields}
+        )
+        replica_flags = {
+            k: v
+            for k, v in given.items()
+            if k in Settings.model_fields and k not in REPLICA_ADDRESS_FIELDS
+        }
+        replica = Settings(**replica_flags)
+    except ValidationError as exc:
+        print(f"batchfit: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=replica.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # One line per readiness poll is noise.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return Launcher(launcher, replica, passthrough_argv(replica_flags)).run()
+
+
+def passthrough_argv(flags: dict[str, object]) -> list[str]:
+    """The serve flags given to ``up``, as flags for each replica's ``serve``."""
+    argv = []
+    for name, value in flags.items():
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            argv += [f"--{flag}", str(value)]
+    return argv
+
+
+def replica_environment(num_replicas: int) -> dict[str, str]:
+    """The launcher's environment, with the CPU cores shared out among the replicas: N replicas
+    on one machine each using every core oversubscribe it (measured here: several times slower).
+    An OMP_NUM_THREADS already set wins."""
+    env = dict(os.environ)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (cores or 1) // num_replicas)))
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # Linux: the child gets SIGTERM if the launcher dies without stopping it (e.g. SIGKILL).
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Launcher:
+    def __init__(self, settings: LauncherSettings, replica: Settings, replica_argv: list[str],
+                 out: IO[str] | None = None) -> None:  # fmt: skip
+        self.settings = settings
+        self.replica = replica
+        self.replica_argv = replica_argv
+        self.out = out or sys.stdout
+        self.replicas: list[Child] = []
+        self.nginx: Child | None = None
+        self.stop_requested = threading.Event()
+
+    def run(self) -> int:
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        workdir = self.settings.workdir
+        temporary = workdir is None
+        prefix = Path(tempfile.mkdtemp(prefix="batchfit-up-")) if temporary else Path(workdir)
+        prefix = prefix.resolve()
+        prefix.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start(prefix)
+            self._say(f"batchfit up: http://{self._public_host()}:{self.settings.port} "
+                      f"({len(self.replicas)} replicas behind nginx; Ctrl-C stops)")  # fmt: skip
+            return self._supervise()
+        except LaunchFailed as exc:
+            log.error("%s", exc)
+            return 1
+        finally:
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if temporary:
+                shutil.rmtree(prefix, ignore_errors=True)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stop_requested.set()
+
+    def _say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    def _public_host(self) -> str:
+        host = self.settings.host
+        return "127.0.0.1" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
+
+    def _spawn(
+        self, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        with open(log_path, "wb") as log_file:
+            return subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_die_with_parent, env=env,
+            )  # fmt: skip
+
+    def _start(self, prefix: Path) -> None:
+        if shutil.which(self.settings.nginx) is None:
+            raise LaunchFailed(
+                f"no {self.settings.nginx!r} binary found: install Nginx (Debian: apt-get "
+                "install nginx) or pass --nginx PATH"
+            )
+        # Replicas load their models in parallel; Nginx starts once all of them are ready.
+        env = replica_environment(self.settings.replicas)
+        for index in range(self.settings.replicas):
+            port, metrics_port = free_port(), free_port()
+            log_path = prefix / f"replica-{index}.log"
+            argv = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
+                    "--port", str(port), "--metrics-port", str(metrics_port),
+                    *self.replica_argv]  # fmt: skip
+            child = Child(
+                f"replica-{index}", self._spawn(argv, log_path, env), log_path,
+                url=f"http://127.0.0.1:{port}",
+                metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            )  # fmt: skip
+            self.replicas.append(child)
+            self._say(f"{child.name}: {child.url} pid {child.process.pid} "
+                      f"metrics {child.metrics_url} log {log_path}")  # fmt: skip
+        self._wait_ready()
+
+        config = NginxConfig(
+            upstreams=[child.url.removeprefix("http://") for child in self.replicas],
+            listen=f"{self._listen_host()}:{self.settings.port}",
+            max_body_bytes=self.replica.max_body_bytes,
+            read_timeout_s=read_timeout_for(self.replica.max_timeout_s),
+            rate_limit_rps=self.settings.rate_limit_rps,
+            rate_limit_burst=self.settings.rate_limit_burst,
+            prefix=prefix,
+        )
+        conf = prepare_prefix(prefix, render(config))
+        try:
+            check_config(self.settings.nginx, prefix, conf)
+        except (OSError, RuntimeError) as exc:
+            raise LaunchFailed(f"nginx: {exc}") from exc
+        # In the foreground (daemon off), so the launcher owns its lifetime.
+        argv = nginx_command(self.settings.nginx, prefix, conf, "-g", "daemon off;")
+        process = self._spawn(argv, prefix / "logs" / "nginx.out")
+        self.nginx = Child("nginx", process, prefix / "logs" / "error.log")
+        self._wait_nginx()
+        self._say(f"nginx: pid {process.pid} config {conf} "
+                  f"access log {prefix / 'logs' / 'access.log'}")  # fmt: skip
+
+    def _listen_host(self) -> str:
+        host = self.settings.host
+        return f"[{host}]" if ":" in host else host
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.settings.ready_timeout_s
+        waiting = list(self.replicas)
+        with httpx.Client(timeout=2) as client:
+            while waiting:
+                if self.stop_requested.is_set():
+                    raise LaunchFailed("stopped while the replicas were starting")
+                for child in list(waiting):
+                    if not child.alive():
+                        raise LaunchFailed(
+                            f"{child.name} exited with {child.process.returncode}:\n"
+                            f"{child.log_tail()}"
+                        )
+                    with contextlib.suppress(httpx.TransportError):
+                        if client.get(f"{child.url}/health/ready").status_code == 200:
+                            waiting.remove(child)
+                            self._say(f"{child.name}: ready")
+                if waiting and time.monotonic() > deadline:
+                    names = ", ".join(child.name for child in waiting)
+                    raise LaunchFailed(f"not ready after {self.settings.ready_timeout_s}s: {names}")
+                if waiting:
+                    self.stop_requested.wait(POLL_S)
+
+    def _wait_nginx(self) -> None:
+        assert self.nginx is not None
+        url = f"http://{self._public_host()}:{self.settings.port}/v1/models"
+        deadline = time.monotonic() + 30
+        with httpx.Client(timeout=2) as client:
+            while True:
+                if not self.nginx.alive():
+                    raise LaunchFailed(
+                        f"nginx exited with {self.nginx.process.returncode}:\n"
+                        f"{self.nginx.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.TransportError):
+                    if client.get(url).status_code == 200:
+                        return
+                if time.monotonic() > deadline or self.stop_requested.is_set():
+                    raise LaunchFailed(f"nginx does not answer on {url}")
+                self.stop_requested.wait(POLL_S)
+
+    def _supervise(self) -> int:
+        """Wait for Ctrl-C/SIGTERM. A dead replica is reported (Nginx routes around it); a dead
+        Nginx ends the launch."""
+        assert self.nginx is not None
+        reported: set[str] = set()
+        while not self.stop_requested.wait(POLL_S):
+            if not self.nginx.alive():
+                log.error("nginx exited with %s:\n%s", self.nginx.process.returncode,
+                          self.nginx.log_tail())  # fmt: skip
+                return 1
+            for child in self.replicas:
+                if child.name not in reported and not child.alive():
+                    reported.add(child.name)
+                    log.warning("%s exited with %s; nginx sends its traffic to the others",
+                                child.name, child.process.returncode)  # fmt: skip
+        self._say("batchfit up: stopping")
+        return 0
+
+    def _stop_all(self) -> None:
+        # Nginx first (graceful: finishes the requests it is proxying), then every replica at
+        # once, so each drains its accepted work.
+        if self.nginx is not None:
+            _stop([self.nginx], signal.SIGQUIT, self.settings.stop_timeout_s)
+        _stop(self.replicas, signal.SIGTERM, self.settings.stop_timeout_s)
+
+
+def _stop(children: list[Child], signum: int, timeout_s: float) -> None:
+    for child in children:
+        if child.alive():
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signum)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %ss; killing it", child.name, timeout_s)
+            child.process.kill()
+            child.process.wait()

@@ -1,0 +1,69 @@
+"""``batchfit plan``: the memory plan a replica would serve with, printed before serving."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from prometheus_client import CollectorRegistry
+
+from batching import AdaptiveSizer, largest_batch
+
+from .runtime import Runtime
+from .settings import Settings
+
+MiB = 2**20
+
+
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None or math.isinf(value) else f"{value / MiB:,.1f} MiB"
+
+
+async def _plan(settings: Settings) -> str:
+    runtime = Runtime(settings, registry=CollectorRegistry())
+    try:
+        await runtime.start()
+        if runtime.startup_error is not None:
+            raise runtime.startup_error
+        return describe(runtime)
+    finally:
+        await runtime.stop()
+
+
+def memory_plan(settings: Settings) -> str:
+    """Load the model, run the same warm-up and calibration as ``serve``, describe the plan."""
+    return asyncio.run(_plan(settings.model_copy(update={"sizer": "adaptive"})))
+
+
+def describe(runtime: Runtime) -> str:
+    assert runtime.model is not None and isinstance(runtime.sizer, AdaptiveSizer)
+    info, sizer = runtime.model.info, runtime.sizer
+    reading = runtime.probe.read() if runtime.probe is not None else None
+    free = reading.free_bytes if reading is not None else None
+    budget = sizer.budget(reading)
+    lines = [
+        f"model        {info.name} ({info.task}) on {info.device}, {info.dtype}",
+        f"parameters   {info.num_parameters:,} ({_mib(info.shape.parameter_bytes)})",
+        f"max input    {info.max_input_tokens} tokens",
+        "",
+        "activation peak model: alpha x n x L + beta x n x L^2 (n items padded to L tokens)",
+        f"  prior from config   alpha {sizer.prior.alpha:,.0f} B/token   "
+        f"beta {sizer.prior.beta:,.1f} B/token/L",
+        f"  after calibration   alpha {sizer.model.alpha:,.0f} B/token   "
+        f"beta {sizer.model.beta:,.1f} B/token/L   (x{sizer.config.safety_factor} safety)",
+        "",
+        f"memory now   free {_mib(free)} ({', '.join(reading.sources) if reading else 'no probe'})"
+        f", headroom {sizer.config.headroom_fraction:.0%}",
+        f"budget       {_mib(budget.max_bytes)} per batch (ceiling proven at warm-up: "
+        f"{_mib(sizer.proven_bytes)}); at most {budget.max_items} items, "
+        f"{budget.max_tokens} padded tokens",
+        "",
+    ]
+    lengths = sorted({min(info.max_input_tokens, n) for n in (16, 32, 64, 128, 256, 512)})
+    lines.append(f"{'length':>8} {'x1':>11} {'x8':>11} {'x32':>11} {'items in budget':>16}")
+    for length in lengths:
+        lines.append(
+            f"{length:>8} {_mib(sizer.predict(1, length)):>11} {_mib(sizer.predict(8, length)):>11}"
+            f" {_mib(sizer.predict(32, length)):>11} {largest_batch(budget, length):>16}"
+        )
+    return "\n".join(lines)

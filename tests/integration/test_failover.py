@@ -1,0 +1,114 @@
+"""Failover with real Nginx: a replica dies (SIGKILL) in the middle of a load run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+
+import httpx
+import pytest
+
+from tests.launch import pid_exists, run_launcher, start_launcher, stop, wait_up
+from tests.loadrun import LoadRun, access_log, load_run, served_by, shares
+
+pytestmark = pytest.mark.integration
+
+LOAD_REQUESTS = 300
+LOAD_CLIENTS = 6
+VICTIM = "replica-1"
+
+
+def test_sigkill_mid_run_no_client_sees_a_failure(tmp_path):
+    with run_launcher(
+        tmp_path, "--max-batch-size", "8", "--rate-limit-rps", "1000",
+        "--rate-limit-burst", "1000", replicas=3,
+    ) as cluster:  # fmt: skip
+        _, victim_pid = cluster.replicas[VICTIM]
+        victim = cluster.address(VICTIM)
+        state = {"stopped_at": None, "killed_at": None}
+
+        def on_progress(run: LoadRun) -> None:
+            done = len(run.outcomes)
+            if state["stopped_at"] is None and done >= LOAD_REQUESTS // 5:
+                # Freeze the victim first, so that requests are certainly in flight on it
+                # (sent, unanswered) when it dies; least_conn keeps sending it some.
+                os.kill(victim_pid, signal.SIGSTOP)
+                state["stopped_at"] = done
+            elif (state["stopped_at"] is not None and state["killed_at"] is None
+                  and run.oldest_in_flight_s() >= 1.0):  # fmt: skip
+                os.kill(victim_pid, signal.SIGKILL)
+                state["killed_at"] = done
+
+        run = asyncio.run(
+            load_run(cluster.url, requests=LOAD_REQUESTS, clients=LOAD_CLIENTS,
+                     prefix="failover", on_progress=on_progress)
+        )  # fmt: skip
+        assert state["killed_at"] is not None, "no request was ever stuck on the frozen replica"
+        assert cluster.process.poll() is None  # the launcher keeps running without it
+        entries = access_log(cluster.access_log_path, "failover")
+        models = httpx.get(f"{cluster.url}/v1/models", timeout=10)
+
+    assert run.failures == [], run.failures[:5]
+    assert len(entries) == LOAD_REQUESTS
+    assert models.status_code == 200  # still serving after the run
+    # Requests that were sent to the victim and cut off mid-flight were retried elsewhere
+    # (non_idempotent) and succeeded.
+    mid_flight = [
+        e for e in entries.values()
+        if e["upstream_addr"].startswith(victim + ", ")
+        and int(e["upstream_bytes_sent"].split(", ")[0] or 0) > 0
+    ]  # fmt: skip
+    assert mid_flight, "no request was cut off mid-flight on the killed replica"
+    assert all(e["status"] == 200 for e in mid_flight)
+    retried = [e for e in entries.values() if "," in e["upstream_addr"]]
+    share = shares(entries)
+    figures = {name: share[cluster.address(name)] for name in cluster.replicas}
+    survivors = [name for name in cluster.replicas if name != VICTIM]
+    print(f"\nfailover: {LOAD_REQUESTS} requests, {LOAD_CLIENTS} clients, "
+          f"{len(run.failures)} failures, {VICTIM} frozen after {state['stopped_at']} and "
+          f"SIGKILLed after {state['killed_at']} answers; {len(mid_flight)} cut off mid-flight "
+          f"and {len(retried)} retried in all; per-replica share {figures}")  # fmt: skip
+    assert all(served_by(e) != victim for e in mid_flight)
+    # Request numbers are taken in start order: at the kill at most killed_at + clients had
+    # started, so every later one started after the victim was dead. Survivors took them all.
+    after_kill = [e for rid, e in entries.items()
+                  if int(rid.rsplit("-", 1)[1]) >= state["killed_at"] + LOAD_CLIENTS]  # fmt: skip
+    assert after_kill
+    assert all(served_by(e) != victim for e in after_kill)
+    print(f"failover: {len(after_kill)} requests started after the kill, all served by "
+          f"{survivors}")  # fmt: skip
+    for name in survivors:
+        assert figures[name] > figures[VICTIM]
+    assert f"{VICTIM} exited with -9" in cluster.errors()
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    launch = start_launcher(tmp_path, "--max-batch-size", "4", replicas=1)
+    try:
+        wait_up(launch)
+        children = launch.child_pids()
+        assert all(pid_exists(pid) for pid in children)
+        assert httpx.post(f"{launch.url}/v1/infer", json={"inputs": "hi"}, timeout=30).is_success
+    finally:
+        code = stop(launch, signal.SIGINT)
+    assert code == 0
+    assert "batchfit up: stopping" in launch.output()
+    assert not [pid for pid in children if pid_exists(pid)]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{launch.url}/v1/models", timeout=5)
+    assert not launch.workdir.joinpath("nginx.pid").exists()
+
+
+def test_a_replica_that_cannot_start_fails_the_launch(tmp_path):
+    launch = start_launcher(tmp_path, "--device", "cuda:99", replicas=2)
+    try:
+        code = launch.process.wait(240)
+    finally:
+        stop(launch)
+    assert code == 1
+    assert "exited with 1" in launch.errors()
+    pids = [int(p) for p in re.findall(r" pid (\d+) ", launch.output())]
+    assert len(pids) == 2
+    assert not [pid for pid in pids if pid_exists(pid)]

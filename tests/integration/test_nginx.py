@@ -1,0 +1,201 @@
+"""Real Nginx in front of real replicas started by ``batchfit up`` (loopback, bounded)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+
+from tests.launch import SilentUpstream, StatusUpstream, run_launcher, run_nginx
+from tests.loadrun import access_log, load_run, served_by, shares
+from tests.servers import free_port
+
+pytestmark = pytest.mark.integration
+
+LOAD_REQUESTS = 300
+LOAD_CLIENTS = 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with run_launcher(
+        tmp_path_factory.mktemp("cluster"),
+        "--max-batch-size", "8", "--max-queue-items", "64", "--max-inputs-per-request", "100",
+        "--rate-limit-rps", "1000", "--rate-limit-burst", "1000",
+        replicas=3,
+    ) as launch:  # fmt: skip
+        yield launch
+
+
+def infer_count(metrics_url: str) -> float:
+    scrape = httpx.get(metrics_url, timeout=10).text
+    pattern = r'^batchfit_requests_total\{code="200",endpoint="/v1/infer",error_type=""\} (\S+)$'
+    return sum(float(m) for m in re.findall(pattern, scrape, re.MULTILINE))
+
+
+def test_launcher_prints_the_url_and_every_replica(cluster):
+    assert len(cluster.replicas) == 3
+    assert f"batchfit up: {cluster.url} (3 replicas behind nginx" in cluster.output()
+    response = httpx.get(f"{cluster.url}/v1/models", timeout=10)
+    assert response.status_code == 200
+    assert response.json()["models"][0]["name"] == "all-MiniLM-L6-v2"
+
+
+def test_balancing_every_replica_serves_a_share(cluster):
+    before = {name: infer_count(url) for name, url in cluster.metrics_urls.items()}
+    run = asyncio.run(
+        load_run(cluster.url, requests=LOAD_REQUESTS, clients=LOAD_CLIENTS, prefix="balance")
+    )
+    assert run.failures == []
+    entries = access_log(cluster.access_log_path, "balance")
+    assert len(entries) == LOAD_REQUESTS
+    share = shares(entries)
+    figures = {name: share[cluster.address(name)] for name in cluster.replicas}
+    print(f"\nbalancing: {LOAD_REQUESTS} requests, {LOAD_CLIENTS} clients, "
+          f"{len(run.failures)} failures, per-replica share {figures}")  # fmt: skip
+    for name, url in cluster.metrics_urls.items():
+        # Nginx's log and the replica's own counter agree on who served what.
+        assert infer_count(url) - before[name] == figures[name]
+        assert figures[name] >= LOAD_REQUESTS // 10, figures
+
+
+def test_request_ids_round_trip(cluster):
+    given = httpx.post(
+        f"{cluster.url}/v1/infer", json={"inputs": "hi"}, headers={"x-request-id": "trace-42"},
+        timeout=30,
+    )  # fmt: skip
+    assert given.status_code == 200
+    assert given.headers["x-request-id"] == "trace-42"
+    assert given.json()["request_id"] == "trace-42"
+    assert given.headers.get_list("x-request-id") == ["trace-42"]
+
+    generated = httpx.post(f"{cluster.url}/v1/infer", json={"inputs": "hi"}, timeout=30)
+    request_id = generated.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", request_id)
+    assert generated.json()["request_id"] == request_id  # the replica saw Nginx's id
+
+    # An id the app would refuse is replaced, not passed on.
+    odd = httpx.post(
+        f"{cluster.url}/v1/infer", json={"inputs": "hi"}, headers={"x-request-id": "a b"},
+        timeout=30,
+    )  # fmt: skip
+    assert odd.headers["x-request-id"] != "a b"
+    assert odd.json()["request_id"] == odd.headers["x-request-id"]
+
+
+def test_overload_429_passes_through_untouched_and_is_not_retried(cluster):
+    body = {"inputs": ["a"] * 65}  # more items than one replica's queue holds
+    headers = {"x-request-id": "overload-1"}
+    through = httpx.post(f"{cluster.url}/v1/infer", json=body, headers=headers, timeout=30)
+    direct_url = next(iter(cluster.replicas.values()))[0]
+    direct = httpx.post(f"{direct_url}/v1/infer", json=body, headers=headers, timeout=30)
+    assert through.status_code == direct.status_code == 429
+    assert through.content == direct.content
+    assert through.json()["error_type"] == "overloaded"
+    assert through.headers["retry-after"] == direct.headers["retry-after"]
+    entry = access_log(cluster.access_log_path, "overload")["overload-1"]
+    assert entry["upstream_status"] == "429"  # one try, no second replica asked
+    assert "," not in entry["upstream_addr"]
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/health/ready", "/health/live", "/docs",
+                                  "/openapi.json", "/"])  # fmt: skip
+def test_only_the_api_is_routed(cluster, path):
+    response = httpx.get(f"{cluster.url}{path}", headers={"x-request-id": "p-1"}, timeout=10)
+    assert response.status_code == 404
+    assert response.headers["content-type"] == "application/json"
+    assert response.json() == {"error": "not found", "error_type": "not_found", "request_id": "p-1"}
+
+
+def test_body_over_the_limit_is_a_json_413_from_nginx(cluster):
+    response = httpx.post(
+        f"{cluster.url}/v1/infer", content=b"x" * (2 * 2**20 + 1),
+        headers={"content-type": "application/json", "x-request-id": "big-1"}, timeout=30,
+    )  # fmt: skip
+    assert response.status_code == 413
+    assert response.json()["error_type"] == "payload_too_large"
+    assert response.json()["request_id"] == "big-1"
+    entry = access_log(cluster.access_log_path, "big")["big-1"]
+    assert entry["upstream_addr"] == ""  # refused by Nginx, never sent to a replica
+    # At the limit itself the body passes Nginx and the replica judges it (here: not JSON).
+    at_limit = httpx.post(
+        f"{cluster.url}/v1/infer", content=b"x" * (2 * 2**20),
+        headers={"content-type": "application/json"}, timeout=30,
+    )  # fmt: skip
+    assert (at_limit.status_code, at_limit.json()["error_type"]) == (400, "invalid_json")
+
+
+def test_rate_limit_is_a_json_429(cluster, tmp_path):
+    upstreams = [cluster.address(name) for name in cluster.replicas]
+    with run_nginx(tmp_path, upstreams, rate_limit_rps=1, rate_limit_burst=1) as nginx:
+        answers = [
+            httpx.get(f"{nginx.url}/v1/models", headers={"x-request-id": f"rl-{i}"}, timeout=10)
+            for i in range(4)
+        ]
+    assert answers[0].status_code == 200
+    limited = [a for a in answers if a.status_code == 429]
+    assert limited, [a.status_code for a in answers]
+    for answer in limited:
+        assert answer.headers["retry-after"] == "1"
+        assert answer.json()["error_type"] == "rate_limited"
+        assert answer.json()["request_id"] == answer.headers["x-request-id"]
+
+
+def test_no_live_replica_is_a_json_503_with_retry_after(tmp_path):
+    dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    with run_nginx(tmp_path, dead) as nginx:
+        response = httpx.post(
+            f"{nginx.url}/v1/infer", json={"inputs": "hi"}, headers={"x-request-id": "dead-1"},
+            timeout=30,
+        )  # fmt: skip
+        entries = nginx.access_entries()
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert response.json() == {
+        "error": "no replica is available", "error_type": "unavailable", "request_id": "dead-1",
+    }  # fmt: skip
+    assert entries[-1]["upstream_status"] == "502, 502"  # both tried, at most 2 tries
+
+
+def test_gateway_timeout_is_json_and_never_retried(tmp_path):
+    slow = [SilentUpstream(), SilentUpstream()]
+    try:
+        with run_nginx(tmp_path, [u.address for u in slow], read_timeout_s=1) as nginx:
+            response = httpx.post(
+                f"{nginx.url}/v1/infer", json={"inputs": "hi"},
+                headers={"x-request-id": "slow-1"}, timeout=30,
+            )  # fmt: skip
+            entries = nginx.access_entries()
+    finally:
+        for upstream in slow:
+            upstream.close()
+    assert response.status_code == 504
+    assert response.json() == {
+        "error": "the replica did not answer in time", "error_type": "gateway_timeout",
+        "request_id": "slow-1",
+    }  # fmt: skip
+    # The answer came after the one timeout: a retry would have connected before it.
+    assert sum(len(u.connections) for u in slow) == 1
+    assert entries[-1]["upstream_status"] == "504"
+
+
+def test_a_replica_answering_503_is_retried_on_another(cluster, tmp_path):
+    body = b'{"error":"draining","error_type":"draining","request_id":"x"}'
+    draining = StatusUpstream(503, body, {"content-type": "application/json", "retry-after": "1"})
+    try:
+        upstreams = [draining.address, cluster.address("replica-0")]
+        with run_nginx(tmp_path, upstreams) as nginx:
+            answers = [
+                httpx.post(f"{nginx.url}/v1/infer", json={"inputs": "hi"}, timeout=30)
+                for _ in range(6)
+            ]
+            entries = nginx.access_entries()
+    finally:
+        draining.close()
+    assert [a.status_code for a in answers] == [200] * 6
+    retried = [e for e in entries if e["upstream_status"] == "503, 200"]
+    assert retried, entries
+    assert draining.requests == len(retried)
+    assert all(served_by(e) == cluster.address("replica-0") for e in entries)

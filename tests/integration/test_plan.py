@@ -1,0 +1,26 @@
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.servers import ROOT
+
+pytestmark = pytest.mark.integration
+
+
+def test_plan_prints_the_memory_plan_for_the_bundled_model():
+    result = subprocess.run(
+        [sys.executable, "-m", "server", "plan", "--memory-limit", "700MiB"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "parameters   22,713,216 (86.6 MiB)" in out
+    assert re.search(r"after calibration\s+alpha [\d,]+ B/token", out)
+    budget = re.search(r"budget\s+([\d,.]+) MiB per batch", out)
+    assert budget and 0 < float(budget.group(1).replace(",", "")) < 700
+    rows = re.findall(r"^\s+(\d+)\s+[\d.]+ MiB\s+[\d.]+ MiB\s+[\d.]+ MiB\s+(\d+)$", out, re.M)
+    assert [int(length) for length, _ in rows] == [16, 32, 64, 128, 256]
+    fits = [int(n) for _, n in rows]
+    assert fits == sorted(fits, reverse=True) and fits[-1] >= 1

@@ -1,0 +1,257 @@
+"""Drive ``batchfit up`` as a real subprocess, and run a real Nginx from the same template."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from server.nginx import NginxConfig, check_config, nginx_command, prepare_prefix, render
+from tests.servers import ROOT, free_port
+
+_REPLICA_LINE = re.compile(
+    r"^(replica-\d+): (http://\S+) pid (\d+) metrics (http://\S+) ", re.MULTILINE
+)
+_NGINX_LINE = re.compile(r"^nginx: pid (\d+) ", re.MULTILINE)
+
+
+@dataclass
+class Launch:
+    """A running ``batchfit up``."""
+
+    url: str
+    process: subprocess.Popen
+    workdir: Path
+    output_path: Path
+    errors_path: Path
+    replicas: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (url, pid)
+    metrics_urls: dict[str, str] = field(default_factory=dict)
+    nginx_pid: int = 0
+
+    @property
+    def access_log_path(self) -> Path:
+        return self.workdir / "logs" / "access.log"
+
+    def output(self) -> str:
+        return self.output_path.read_text(errors="replace")
+
+    def errors(self) -> str:
+        return self.errors_path.read_text(errors="replace")
+
+    def child_pids(self) -> list[int]:
+        return [pid for _, pid in self.replicas.values()] + [self.nginx_pid]
+
+    def address(self, name: str) -> str:
+        return self.replicas[name][0].removeprefix("http://")
+
+
+def wait_for_output(launch: Launch, pattern: str, timeout_s: float) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        match = re.search(pattern, launch.output(), re.MULTILINE)
+        if match:
+            return match
+        if launch.process.poll() is not None:
+            raise RuntimeError(
+                f"batchfit up exited with {launch.process.returncode}:\n"
+                f"{launch.output()}\n{launch.errors()}"
+            )
+        time.sleep(0.2)
+    raise TimeoutError(f"no {pattern!r} from batchfit up:\n{launch.output()}\n{launch.errors()}")
+
+
+def require_nginx() -> str:
+    """Nginx's path; without it, fail in CI (``.ci/run`` installs it) and skip elsewhere."""
+    path = shutil.which("nginx")
+    if path is None:
+        message = "nginx is not installed (apt-get install nginx, as .ci/run does)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def start_launcher(tmp_path: Path, *flags: str, replicas: int) -> Launch:
+    require_nginx()
+    port = free_port()
+    workdir = tmp_path / "up"
+    output_path, errors_path = tmp_path / "up.out", tmp_path / "up.err"
+    with open(output_path, "wb") as out, open(errors_path, "wb") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server", "up", "--replicas", str(replicas),
+             "--port", str(port), "--workdir", str(workdir), *flags],
+            cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    return Launch(f"http://127.0.0.1:{port}", process, workdir, output_path, errors_path)
+
+
+def wait_up(launch: Launch, timeout_s: float = 300) -> None:
+    wait_for_output(launch, r"^batchfit up: http://", timeout_s)
+    text = launch.output()
+    found = _REPLICA_LINE.findall(text)
+    launch.replicas = {name: (url, int(pid)) for name, url, pid, _ in found}
+    launch.metrics_urls = {name: metrics for name, _, _, metrics in found}
+    launch.nginx_pid = int(_NGINX_LINE.search(text).group(1))
+
+
+def stop(launch: Launch, signum: int = signal.SIGTERM, timeout_s: float = 90) -> int:
+    if launch.process.poll() is None:
+        launch.process.send_signal(signum)
+        try:
+            launch.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            launch.process.kill()
+            launch.process.wait(10)
+    return launch.process.returncode
+
+
+@contextlib.contextmanager
+def run_launcher(tmp_path: Path, *flags: str, replicas: int) -> Iterator[Launch]:
+    launch = start_launcher(tmp_path, *flags, replicas=replicas)
+    try:
+        wait_up(launch)
+        yield launch
+    finally:
+        stop(launch)
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@dataclass
+class Nginx:
+    url: str
+    prefix: Path
+
+    @property
+    def access_log_path(self) -> Path:
+        return self.prefix / "logs" / "access.log"
+
+    def access_entries(self) -> list[dict]:
+        import json
+
+        return [json.loads(line) for line in self.access_log_path.read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def run_nginx(
+    tmp_path: Path, upstreams: Sequence[str], *, max_body_bytes: int = 2 * 2**20,
+    read_timeout_s: int = 30, rate_limit_rps: int = 1000, rate_limit_burst: int = 1000,
+) -> Iterator[Nginx]:  # fmt: skip
+    """A real Nginx from deploy/nginx/nginx.conf.template in front of ``upstreams``."""
+    nginx = require_nginx()
+    port = free_port()
+    prefix = tmp_path / f"nginx-{port}"
+    config = NginxConfig(
+        upstreams=upstreams, listen=f"127.0.0.1:{port}", max_body_bytes=max_body_bytes,
+        read_timeout_s=read_timeout_s, rate_limit_rps=rate_limit_rps,
+        rate_limit_burst=rate_limit_burst, prefix=prefix,
+    )  # fmt: skip
+    conf = prepare_prefix(prefix, render(config))
+    check_config(nginx, prefix, conf)
+    process = subprocess.Popen(
+        nginx_command(nginx, prefix, conf, "-g", "daemon off;"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((prefix / "logs" / "error.log").read_text())
+            time.sleep(0.05)
+        yield Nginx(f"http://127.0.0.1:{port}", prefix)
+    finally:
+        process.send_signal(signal.SIGQUIT)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+class SilentUpstream:
+    """A TCP server that accepts connections, reads, and never answers; counts connections."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections.append(conn)
+
+    def close(self) -> None:
+        # shutdown() wakes the thread blocked in accept(); close() alone does not.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        for conn in self.connections:
+            conn.close()
+        self._thread.join(5)
+
+
+class StatusUpstream:
+    """A minimal HTTP/1.1 upstream that answers every request with one fixed response."""
+
+    def __init__(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        import http.server
+
+        outer = self
+        self.requests = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _answer(self) -> None:
+                outer.requests += 1
+                length = int(self.headers.get("content-length") or 0)
+                self.rfile.read(length)
+                self.send_response(status)
+                for name, value in {**headers, "content-length": str(len(body))}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(5)

@@ -1,0 +1,38 @@
+"""Reference embeddings computed directly with transformers and mean pooling (not our code)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from models.loading import BUNDLED_MODEL, resolve_model_path
+
+
+@functools.cache
+def _bundled():
+    path = resolve_model_path(BUNDLED_MODEL)
+    return AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+
+
+def reference_embeddings(texts: list[str], max_length: int = 256) -> np.ndarray:
+    tokenizer, model = _bundled()
+    rows = []
+    for start in range(0, len(texts), 16):
+        encoded = tokenizer(
+            texts[start : start + 16], padding=True, truncation=True, max_length=max_length,
+            return_tensors="pt",
+        )  # fmt: skip
+        with torch.inference_mode():
+            hidden = model(**encoded).last_hidden_state
+        mask = encoded["attention_mask"].unsqueeze(-1).float()
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        rows.append(torch.nn.functional.normalize(pooled, dim=1).numpy())
+    return np.concatenate(rows)
+
+
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))

@@ -1,0 +1,99 @@
+"""The batcher with memory: scripted probes and OOMs for exact sequences, and a real model."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from batching import AdaptiveConfig, AdaptiveSizer, OutOfMemory, PeakModel
+from models import ModelOutOfMemory, ModelSpec, load_model
+from models.testing import save_tiny_model
+from tests.fakes import ScriptedModel, ScriptedProbe
+
+TIMEOUT = 10
+
+
+def sample(h, name, **labels):
+    return h.registry.get_sample_value(name, labels)
+
+
+async def test_split_sequence_metrics_and_cache_release(harness_factory):
+    model = ScriptedModel(oom_above_items=8)
+    probe = ScriptedProbe(free_bytes=2**40)
+    h = harness_factory(model=model, probe=probe)
+    pendings = h.submit([f"t{i}" for i in range(32)])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert model.batch_sizes == [32, 16, 8, 8, 16, 8, 8]
+    assert all(p.future.done() and not p.future.exception() for p in pendings)
+    assert sample(h, "batchfit_oom_events_total", outcome="split") == 3
+    assert sample(h, "batchfit_oom_events_total", outcome="failed") == 0
+    assert probe.released == 3  # the cache is emptied after every OOM
+
+
+async def test_without_splitting_an_oom_fails_the_whole_batch(harness_factory):
+    model = ScriptedModel(oom_above_items=2)
+    h = harness_factory(model=model, oom_split=False)
+    pendings = h.submit(["a", "b", "c", "d"])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert model.batch_sizes == [4]
+    for p in pendings:
+        with pytest.raises(OutOfMemory, match="in a batch of 4"):
+            p.future.result()
+    assert sample(h, "batchfit_oom_events_total", outcome="failed") == 1
+
+
+async def test_adaptive_budget_follows_free_memory(harness_factory):
+    # 1 MiB per item (prior: alpha = 1 MiB / 3 tokens); 10 MiB free, 10% headroom: 9 items.
+    prior = PeakModel(alpha=2**20 / 3, beta=0.0)
+    sizer = AdaptiveSizer(
+        prior,
+        AdaptiveConfig(max_items=32, max_tokens=10_000, headroom_fraction=0.1, safety_factor=1.0),
+    )
+    model = ScriptedModel()
+    probe = ScriptedProbe(free_bytes=10 * 2**20)
+    h = harness_factory(model=model, sizer=sizer, probe=probe)
+    h.submit(["w"] * 20)  # 3 tokens each
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    probe.free_bytes = 4 * 2**20  # someone else took memory: the next batch shrinks
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert model.batch_sizes == [9, 3]
+    assert sample(h, "batchfit_batch_budget_bytes") == pytest.approx(0.9 * 4 * 2**20)
+    assert sample(h, "batchfit_memory_free_bytes") == 4 * 2**20
+    assert sample(h, "batchfit_batch_predicted_peak_bytes") == pytest.approx(3 * 2**20)
+    assert sample(h, "batchfit_memory_headroom_bytes") == pytest.approx(2**20)
+
+
+class OomAbove:
+    """A real model that raises our OOM error for batches above ``limit`` items."""
+
+    def __init__(self, model, limit):
+        self.model, self.limit, self.sizes = model, limit, []
+
+    def forward(self, items):
+        self.sizes.append(len(items))
+        if len(items) > self.limit:
+            raise ModelOutOfMemory("scripted", requested_bytes=None)
+        return self.model.forward(items)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return load_model(
+        ModelSpec(model=str(save_tiny_model(tmp_path_factory.mktemp("m"))), device="cpu")
+    )
+
+
+async def test_outputs_after_a_split_equal_the_unsplit_outputs(harness_factory, tiny_model):
+    texts = ["short", "a much longer sentence than the others in this batch", "mid length text",
+             "x", "another sentence", "the last one"]  # fmt: skip
+    items = tiny_model.prepare(texts, truncate=True)
+    unsplit = tiny_model.forward(items)
+    wrapped = OomAbove(tiny_model, limit=2)
+    h = harness_factory(model=wrapped)
+    pendings = h.submit(texts)
+    for pending, item in zip(pendings, items, strict=True):
+        pending.item = item
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert wrapped.sizes == [6, 3, 1, 2, 3, 1, 2]
+    for pending, expected in zip(pendings, unsplit, strict=True):
+        np.testing.assert_allclose(pending.future.result(), expected, atol=1e-5)

@@ -1,0 +1,131 @@
+"""The shipped Prometheus and Grafana files, checked without starting them.
+
+tests/integration/test_observability.py evaluates every expression against a real Prometheus.
+"""
+
+import importlib.util
+import re
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from server import Settings, create_app
+from tests.dashboards import all_panel_queries, dashboard_files, load
+from tests.fakes import ScriptedModel
+from tests.servers import ROOT
+
+GRAFANA = ROOT / "deploy" / "grafana"
+ROWS = ["Latency", "Throughput and errors", "Batching", "Memory"]
+
+
+def build_module():
+    spec = importlib.util.spec_from_file_location(
+        "build_dashboards", GRAFANA / "build_dashboards.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def exported_names() -> set[str]:
+    registry = CollectorRegistry()
+    create_app(Settings(), model=ScriptedModel(), registry=registry)
+    names = set()
+    for family in registry.collect():
+        if family.type == "gauge":
+            names.add(family.name)
+        names.update(sample.name for sample in family.samples)
+        # Labelled metrics have no samples until a label value is used.
+        suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",),
+                    "info": ("_info",)}.get(family.type, ())  # fmt: skip
+        names.update(family.name + suffix for suffix in suffixes)
+    return names
+
+
+def test_committed_dashboards_match_the_generator():
+    module = build_module()
+    assert {path.name for path in dashboard_files()} == set(module.DASHBOARD_FILES)
+    for name, build in module.DASHBOARD_FILES.items():
+        committed = (GRAFANA / "dashboards" / name).read_text()
+        assert committed == module.render(build), (
+            f"{name} is stale: run python deploy/grafana/build_dashboards.py"
+        )
+
+
+def test_dashboard_has_the_four_rows_in_order():
+    dashboard = load(GRAFANA / "dashboards" / "batchfit.json")
+    rows = [panel["title"] for panel in dashboard["panels"] if panel["type"] == "row"]
+    assert rows == ROWS
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    assert dashboard["uid"] == "batchfit"
+
+
+def test_every_panel_uses_the_provisioned_datasource():
+    for path in dashboard_files():
+        for panel in load(path)["panels"]:
+            if panel["type"] == "row":
+                continue
+            assert panel["datasource"] == {"type": "prometheus", "uid": "prometheus"}, panel
+            assert panel["targets"], panel["title"]
+            for target in panel["targets"]:
+                assert target["datasource"]["uid"] == "prometheus"
+
+
+def test_every_metric_a_panel_reads_is_exported():
+    exported = exported_names()
+    for query in all_panel_queries():
+        for name in re.findall(r"\bbatchfit_[a-z_]+", query.expr):
+            assert name in exported, f"{query}: {name} is not exported"
+
+
+@pytest.mark.parametrize(
+    ("row", "needles"),
+    [
+        ("Latency", ["histogram_quantile(0.5, sum by (le)", "histogram_quantile(0.99, sum by (le)",
+                     "sum by (le, instance)", "batchfit_queue_wait_seconds_bucket",
+                     "batchfit_batch_duration_seconds_bucket"]),
+        ("Throughput and errors", ["sum by (code)", "batchfit_rejections_total",
+                                   'code=~"5.."']),
+        ("Batching", ["batchfit_batch_size_sum", "batchfit_batch_size_bucket",
+                      "batchfit_batch_padded_tokens_total", "batchfit_batch_budget_items"]),
+        ("Memory", ["batchfit_device_memory_used_bytes", "batchfit_device_memory_total_bytes",
+                    "batchfit_torch_allocated_bytes", "batchfit_torch_reserved_bytes",
+                    "batchfit_batch_predicted_peak_bytes", "batchfit_batch_measured_peak_bytes",
+                    "batchfit_memory_headroom_bytes", "batchfit_oom_events_total"]),
+    ],
+)  # fmt: skip
+def test_rows_show_what_the_issue_asks(row, needles):
+    exprs = " ".join(q.expr for q in all_panel_queries() if q.row == row)
+    for needle in needles:
+        assert needle in exprs, f"{row} row lacks {needle}"
+
+
+def test_batch_size_heatmap_reads_buckets_as_a_heatmap():
+    dashboard = load(GRAFANA / "dashboards" / "batchfit.json")
+    heatmap = next(p for p in dashboard["panels"] if p["title"] == "Batch size")
+    assert heatmap["type"] == "heatmap"
+    assert heatmap["targets"][0]["format"] == "heatmap"
+
+
+def test_grafana_provisioning_uses_the_agreed_names():
+    datasources = yaml.safe_load(
+        (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"]
+    assert [(d["uid"], d["type"], d["url"]) for d in datasources] == [
+        ("prometheus", "prometheus", "http://prometheus:9090")
+    ]
+    providers = yaml.safe_load(
+        (GRAFANA / "provisioning" / "dashboards" / "batchfit.yml").read_text()
+    )["providers"]
+    assert [p["options"]["path"] for p in providers] == ["/var/lib/grafana/dashboards"]
+
+
+def test_prometheus_scrapes_each_replica_metrics_port_directly():
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert list(jobs) == ["batchfit"]
+    targets = [t for group in jobs["batchfit"]["static_configs"] for t in group["targets"]]
+    assert targets == ["replica-0:8001", "replica-1:8001"]
+    assert not any("nginx" in t for t in targets)

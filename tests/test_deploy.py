@@ -1,0 +1,307 @@
+"""Static checks of the deployment files: no Docker engine runs here, so parse and verify."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from server.nginx import (
+    COMPOSE_CONFIG_PATH,
+    TEMPLATE_PATH,
+    UPSTREAM_KEEP_ALIVE_S,
+    UVICORN_KEEP_ALIVE_S,
+    NginxConfig,
+    check_config,
+    compose_config,
+    render,
+)
+from server.settings import Settings
+from tests.launch import require_nginx
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+CPU_OVERRIDE = ROOT / "docker-compose.cpu.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+REPLICAS = ("replica-0", "replica-1")
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """PyYAML plus Compose's merge tags (!reset, !override)."""
+
+
+for _tag in ("!reset", "!override"):
+    ComposeLoader.add_constructor(
+        _tag,
+        lambda loader, node, tag=_tag: (
+            tag,
+            loader.construct_mapping(node) if isinstance(node, yaml.MappingNode)
+            else loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode)
+            else loader.construct_scalar(node),
+        ),
+    )  # fmt: skip
+
+
+def load(path: Path) -> dict:
+    return yaml.load(path.read_text(), Loader=ComposeLoader)
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return load(COMPOSE)
+
+
+@pytest.fixture(scope="module")
+def nginx_conf():
+    return COMPOSE_CONFIG_PATH.read_text()
+
+
+def directive(conf: str, name: str) -> list[str]:
+    return re.findall(rf"^[ \t]*{name}[ \t]+([^;{{\n]*);", conf, re.MULTILINE)
+
+
+def uncommented(conf: str) -> str:
+    return re.sub(r"^\s*#.*$", "", conf, flags=re.MULTILINE)
+
+
+def seconds(value: str) -> float:
+    match = re.fullmatch(r"(\d+)(ms|s|m)?", value)
+    assert match, value
+    return int(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60, None: 1}[match.group(2)]
+
+
+# The Nginx config.
+
+
+def test_checked_in_compose_config_is_the_template_rendered():
+    assert COMPOSE_CONFIG_PATH.read_text() == render(compose_config()), (
+        "deploy/nginx/nginx.conf drifted from the template: rewrite it with "
+        "python -c 'from server.nginx import *; COMPOSE_CONFIG_PATH.write_text(render("
+        "compose_config()))'"
+    )
+
+
+def test_render_refuses_unknown_placeholders_and_empty_upstreams():
+    config = compose_config()
+    with pytest.raises(ValueError, match="unknown placeholders"):
+        render(config, template="listen {{listen}}; {{nope}}")
+    with pytest.raises(ValueError, match="at least one upstream"):
+        dataclasses.replace(config, upstreams=[])
+
+
+def test_launcher_rendering_keeps_everything_under_its_prefix(tmp_path):
+    config = NginxConfig(
+        upstreams=["127.0.0.1:9001", "127.0.0.1:9002"], listen="127.0.0.1:9000",
+        max_body_bytes=4096, read_timeout_s=70, rate_limit_rps=5, rate_limit_burst=7,
+        prefix=tmp_path,
+    )  # fmt: skip
+    conf = render(config)
+    assert "{{" not in conf
+    for name in ("pid", "error_log", "access_log", "client_body_temp_path", "proxy_temp_path"):
+        (value,) = directive(conf, name)
+        assert value.startswith(str(tmp_path)), (name, value)
+    assert directive(conf, "client_max_body_size") == ["4096"]
+    assert directive(conf, "proxy_read_timeout") == ["70s"]
+    assert "rate=5r/s" in conf and "burst=7" in conf
+    assert directive(conf, "server") == [
+        "127.0.0.1:9001 max_fails=2 fail_timeout=5s", "127.0.0.1:9002 max_fails=2 fail_timeout=5s",
+    ]  # fmt: skip
+    # Every directive that is not about paths or the values above is the compose config's.
+    compose_lines = set(render(compose_config()).splitlines())
+    differing = [line for line in conf.splitlines() if line not in compose_lines]
+    for line in differing:
+        assert re.search(r"_path|pid |error_log|access_log|user |server 127|listen|"
+                         r"client_max_body_size|proxy_read_timeout|rate=|burst=|limit of 4096",
+                         line), line  # fmt: skip
+
+
+def test_balancing_keepalive_and_headers(nginx_conf):
+    assert directive(nginx_conf, "least_conn") == [] and "least_conn;" in nginx_conf
+    assert directive(nginx_conf, "keepalive") == ["32"]
+    assert directive(nginx_conf, "proxy_http_version") == ["1.1"]
+    assert 'Connection ""' in directive(nginx_conf, "proxy_set_header")
+    (upstream_keepalive,) = directive(nginx_conf, "keepalive_timeout")
+    assert seconds(upstream_keepalive) == UPSTREAM_KEEP_ALIVE_S < UVICORN_KEEP_ALIVE_S
+
+
+def test_failover_policy(nginx_conf):
+    (next_upstream,) = directive(nginx_conf, "proxy_next_upstream")
+    conditions = next_upstream.split()
+    assert {"error", "http_503", "non_idempotent"} <= set(conditions)
+    # Never on overload (429) and never on a timeout (a slow batch must not run twice).
+    assert not {"timeout", "http_429", "http_504"} & set(conditions)
+    assert directive(nginx_conf, "proxy_next_upstream_tries") == ["2"]
+    (retry_time,) = directive(nginx_conf, "proxy_next_upstream_timeout")
+    assert 0 < seconds(retry_time) <= 60
+    for server in directive(nginx_conf, "server"):
+        assert "max_fails=" in server and "fail_timeout=" in server
+    # Nginx waits longer than any replica's own deadline.
+    (read_timeout,) = directive(nginx_conf, "proxy_read_timeout")
+    assert seconds(read_timeout) > Settings.model_fields["max_timeout_s"].default
+
+
+def test_limits_errors_and_routes(nginx_conf):
+    assert directive(nginx_conf, "client_max_body_size") == [
+        str(Settings.model_fields["max_body_bytes"].default)
+    ]
+    assert directive(nginx_conf, "limit_req_status") == ["429"]
+    assert len(directive(nginx_conf, "limit_req")) == 1
+    assert set(directive(nginx_conf, "error_page")) == {
+        "502 503 =503 @unavailable", "504 =504 @gateway_timeout", "429 =429 @rate_limited",
+        "413 =413 @payload_too_large",
+    }  # fmt: skip
+    # Every Nginx-made error body has the app's shape.
+    for body in re.findall(r"return \d+ '([^']*)'", nginx_conf):
+        assert re.fullmatch(
+            r'\{"error":"[^"]+","error_type":"[a-z_]+","request_id":"\$batchfit_request_id"\}\\n',
+            body,
+        ), body
+    routed = re.findall(r"location (= )?(\S+) \{\s*proxy_pass", nginx_conf)
+    assert [path for _, path in routed] == ["/v1/infer", "/v1/models"]
+    assert "/metrics" not in uncommented(nginx_conf)
+    assert "/health" not in uncommented(nginx_conf)
+
+
+def test_no_plus_only_directives():
+    template = TEMPLATE_PATH.read_text()
+    for plus_only in ("health_check", "zone_sync", "sticky", "queue ", "ntlm", "status_zone",
+                      "resolve", "api "):  # fmt: skip
+        assert not re.search(rf"^\s*{plus_only}", template, re.MULTILINE), plus_only
+
+
+@pytest.mark.integration
+def test_nginx_accepts_the_compose_config(tmp_path):
+    # The compose hostnames do not resolve outside Docker: the test copy differs from the
+    # checked-in file only in those two addresses.
+    text = COMPOSE_CONFIG_PATH.read_text()
+    copy = text
+    for replica in REPLICAS:
+        copy = copy.replace(f"{replica}:8000", "127.0.0.1:8000")
+    assert sum(a != b for a, b in zip(text.splitlines(), copy.splitlines(), strict=True)) == 2
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(copy)
+    (tmp_path / "logs").mkdir()
+    check_config(require_nginx(), tmp_path, conf)
+
+
+@pytest.mark.integration
+def test_nginx_accepts_the_exact_compose_file_with_replica_names_resolving(tmp_path):
+    """The checked-in file itself, with replica-0/replica-1 in a private /etc/hosts (a mount
+    namespace, so the machine's own /etc/hosts is untouched)."""
+    nginx = require_nginx()
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False).returncode:
+        pytest.skip("no mount namespaces here (needs root or user namespaces)")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost " + " ".join(REPLICAS) + "\n")
+    (tmp_path / "logs").mkdir()
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         f'mount --bind "{hosts}" /etc/hosts && exec "{nginx}" -p "{tmp_path}/" '
+         f'-e "{tmp_path}/logs/error.log" -c "{COMPOSE_CONFIG_PATH}" -t'],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "test is successful" in result.stderr
+
+
+# docker-compose.yml and the CPU override.
+
+
+def test_services_and_published_ports(compose):
+    services = compose["services"]
+    assert set(services) == {*REPLICAS, "nginx", "prometheus", "grafana"}
+    published = {name: s["ports"] for name, s in services.items() if s.get("ports")}
+    assert list(published) == ["nginx"]
+    assert published["nginx"] == ["8000:80"]
+
+
+def test_every_upstream_nginx_names_is_a_replica_service(compose, nginx_conf):
+    upstreams = [s.split()[0] for s in directive(nginx_conf, "server")]
+    assert upstreams == [f"{name}:8000" for name in REPLICAS]
+    for upstream in upstreams:
+        host, port = upstream.split(":")
+        service = compose["services"][host]
+        assert service["environment"]["BATCHFIT_PORT"] == port
+        assert port in service["expose"]
+
+
+def test_every_mounted_file_exists(compose):
+    mounts = 0
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source.startswith("./"), (name, volume)
+            assert (ROOT / source).exists(), (name, source)
+            mounts += 1
+    assert mounts >= 5
+    nginx_mount = compose["services"]["nginx"]["volumes"][0]
+    assert nginx_mount == "./deploy/nginx/nginx.conf:/etc/nginx/nginx.conf:ro"
+
+
+def test_replicas_gpus_healthchecks_and_grace(compose):
+    for index, name in enumerate(REPLICAS):
+        service = compose["services"][name]
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device == {"driver": "nvidia", "device_ids": [str(index)], "capabilities": ["gpu"]}
+        health = service["healthcheck"]
+        assert "/health/ready" in " ".join(health["test"])
+        # Model load plus warm-up fit in the start period.
+        assert seconds(health["start_period"]) >= 120
+        env = service["environment"]
+        assert env["BATCHFIT_METRICS_PORT"] == "8001"
+        assert seconds(service["stop_grace_period"]) > float(env["BATCHFIT_DRAIN_TIMEOUT_S"])
+        assert service["build"]["context"] == "."
+    nginx = compose["services"]["nginx"]
+    assert nginx["depends_on"] == {name: {"condition": "service_healthy"} for name in REPLICAS}
+
+
+def test_prometheus_scrapes_replicas_directly_and_grafana_is_provisioned(compose):
+    prometheus = load(ROOT / "deploy" / "prometheus" / "prometheus.yml")
+    (job,) = [j for j in prometheus["scrape_configs"] if j["job_name"] == "batchfit"]
+    targets = [t for c in job["static_configs"] for t in c["targets"]]
+    assert targets == [f"{name}:8001" for name in REPLICAS]
+    grafana_mounts = {v.split(":")[1] for v in compose["services"]["grafana"]["volumes"]}
+    assert "/var/lib/grafana/dashboards" in grafana_mounts
+    datasources = load(ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml")
+    assert {"uid": "prometheus", "url": "http://prometheus:9090"}.items() <= (
+        datasources["datasources"][0].items()
+    )
+    providers = load(ROOT / "deploy/grafana/provisioning/dashboards/batchfit.yml")
+    assert providers["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert list((ROOT / "deploy/grafana/dashboards").glob("*.json"))
+
+
+def test_cpu_override_drops_gpu_reservations():
+    override = load(CPU_OVERRIDE)
+    assert set(override["services"]) == set(REPLICAS)
+    for service in override["services"].values():
+        assert service["deploy"] == ("!reset", "null")
+        assert service["environment"]["BATCHFIT_DEVICE"] == "cpu"
+        assert "whl/cpu" in service["build"]["args"]["TORCH_INDEX_URL"]
+
+
+# Dockerfile.
+
+
+def test_dockerfile():
+    text = DOCKERFILE.read_text()
+    instructions = [line.split(None, 1) for line in text.splitlines()
+                    if line and not line.startswith((" ", "#"))]  # fmt: skip
+    keywords = [keyword for keyword, *_ in instructions]
+    assert keywords[0] == "FROM" and "slim" in instructions[0][1]
+    (user,) = [rest for keyword, rest in instructions if keyword == "USER"]
+    assert user not in ("root", "0")
+    assert keywords.index("USER") < keywords.index("ENTRYPOINT")
+    assert "useradd" in text
+    (healthcheck,) = [rest for keyword, rest in instructions if keyword == "HEALTHCHECK"]
+    assert "--start-period" in healthcheck
+    assert "/health/ready" in text[text.index("HEALTHCHECK") :]
+    (entrypoint,) = [rest for keyword, rest in instructions if keyword == "ENTRYPOINT"]
+    assert entrypoint == '["batchfit", "serve"]'
+    assert "torch==2.13.0" in text
+    # Settings come from the environment.
+    assert "BATCHFIT_HOST=0.0.0.0" in text

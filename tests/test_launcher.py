@@ -1,0 +1,70 @@
+import pytest
+
+from server.cli import build_parser
+from server.launcher import REPLICA_ADDRESS_FIELDS, passthrough_argv, replica_environment
+from server.settings import LauncherSettings, Settings
+
+
+def up_args(*argv):
+    return vars(build_parser().parse_args(["up", *argv]))
+
+
+def test_up_flags_and_serve_flags_passed_through():
+    given = up_args("--replicas", "3", "--port", "9000", "--max-batch-size", "8",
+                    "--max-wait-ms", "0.5", "--device", "cpu")  # fmt: skip
+    assert LauncherSettings(**{k: v for k, v in given.items() if k in LauncherSettings.model_fields}
+                            ).model_dump(include={"replicas", "port"}) == {
+        "replicas": 3, "port": 9000,
+    }  # fmt: skip
+    replica = {k: v for k, v in given.items() if k in Settings.model_fields and k != "port"}
+    assert passthrough_argv(replica) == [
+        "--max-batch-size", "8", "--max-wait-ms", "0.5", "--device", "cpu",
+    ]  # fmt: skip
+    # What the replicas get parses back into the same settings.
+    serve = vars(build_parser().parse_args(["serve", *passthrough_argv(replica)]))
+    assert Settings(**{k: v for k, v in serve.items() if k in Settings.model_fields}) == Settings(
+        **replica
+    )
+
+
+def test_every_serve_flag_but_the_address_is_an_up_flag():
+    up = build_parser()._subparsers._group_actions[0].choices["up"]
+    help_text = up.format_help()
+    for name in [*Settings.model_fields, *LauncherSettings.model_fields]:
+        if name in REPLICA_ADDRESS_FIELDS - set(LauncherSettings.model_fields):
+            assert "--" + name.replace("_", "-") + " " not in help_text
+        else:
+            assert "--" + name.replace("_", "-") in help_text
+    # One --port and one --host: Nginx's; the launcher gives each replica its own.
+    dests = [action.dest for action in up._actions]
+    assert dests.count("port") == dests.count("host") == 1
+    assert "Port Nginx listens on" in help_text
+
+
+def test_booleans_pass_through_both_ways():
+    assert passthrough_argv({"flag_x": True, "other": False}) == ["--flag-x", "--no-other"]
+
+
+def test_launcher_settings_are_described_and_validated():
+    for name, field in LauncherSettings.model_fields.items():
+        assert field.description, name
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        LauncherSettings(replicas=0)
+
+
+def test_replicas_share_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    assert replica_environment(3)["OMP_NUM_THREADS"] == "2"
+    assert replica_environment(16)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert replica_environment(3)["OMP_NUM_THREADS"] == "5"
+
+
+def test_missing_nginx_fails_before_starting_anything(tmp_path, caplog):
+    from server.cli import main
+
+    workdir = tmp_path / "up"
+    assert main(["up", "--nginx", str(tmp_path / "no-nginx"), "--workdir", str(workdir)]) == 1
+    assert "no-nginx' binary found" in caplog.text
+    assert not list(workdir.glob("replica-*.log"))  # no replica was started

@@ -1,0 +1,180 @@
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from batching import CompositeProbe, HostProbe, NvmlProbe, ProbeError, TorchCudaProbe
+from batching.probes import cgroup_room, parse_kib_fields, probes_for_device
+
+# --- the host probe, against the real /proc of this machine ---
+
+
+def test_host_probe_reads_this_process():
+    reading = HostProbe().read()
+    meminfo = parse_kib_fields(Path("/proc/meminfo").read_text())
+    assert 10 * 2**20 < reading.resident_bytes < meminfo["MemTotal"]
+    assert 0 < reading.free_bytes <= meminfo["MemTotal"]
+    assert reading.sources == ("host",)
+
+
+def test_host_probe_memory_limit_caps_free():
+    probe = HostProbe(memory_limit_bytes=2**40)
+    rss = probe.read().resident_bytes
+    limited = HostProbe(memory_limit_bytes=rss + 5 * 2**20).read()
+    assert limited.free_bytes <= 5 * 2**20 + 2**20  # RSS moves a little between reads
+
+
+def test_host_probe_measures_a_batch_peak():
+    probe = HostProbe()
+    baseline = probe.start_batch()
+    block = bytearray(64 * 2**20)  # touched: bytearray zero-fills its pages
+    del block
+    peak = probe.batch_peak()
+    assert peak - baseline >= 60 * 2**20
+    # A new batch starts from the current RSS, not the old peak.
+    baseline = probe.start_batch()
+    assert probe.batch_peak() - baseline < 32 * 2**20
+
+
+def test_address_space_limit_turns_a_runaway_allocation_into_a_real_oom():
+    script = """
+import torch
+from batching import limit_address_space
+from models import is_out_of_memory
+limit_address_space(64 * 2**20)
+try:
+    torch.ones(2**30, dtype=torch.uint8)
+except Exception as exc:
+    print("oom" if is_out_of_memory(exc) else f"other: {exc!r}")
+small = torch.ones(2**20, dtype=torch.uint8)  # still works under the limit
+print("small ok", int(small.sum()))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.split("\n")[:2] == ["oom", f"small ok {2**20}"], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("files", "room"),
+    [
+        ({"memory.max": "max", "memory.current": "100"}, None),
+        ({"memory.max": "1000", "memory.current": "300"}, 700),
+        ({"memory/memory.limit_in_bytes": "9223372036854771712"}, None),
+        ({"memory/memory.limit_in_bytes": "5000", "memory/memory.usage_in_bytes": "1000"}, 4000),
+        ({"memory.max": "100", "memory.current": "300"}, 0),
+        ({}, None),
+    ],
+)
+def test_cgroup_room(tmp_path, files, room):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    assert cgroup_room(tmp_path) == room
+
+
+def test_parse_kib_fields():
+    text = "MemTotal:       1000 kB\nVmRSS:\t  20 kB\nName:\tpython\n"
+    assert parse_kib_fields(text) == {"MemTotal": 1024000, "VmRSS": 20480}
+
+
+def test_cpu_device_gets_the_host_probe():
+    probe = probes_for_device("cpu")
+    assert [p.name for p in probe.probes] == ["host"]
+
+
+# --- NVML and torch.cuda through injected fakes ---
+
+
+class FakeNvml:
+    def __init__(self, used=6 * 2**30, total=80 * 2**30, fail_init=False):
+        self.used, self.total, self.fail_init = used, total, fail_init
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return SimpleNamespace(used=self.used, total=self.total, free=self.total - self.used)
+
+
+class FakeCuda:
+    def __init__(self):
+        self.free, self.total = 70 * 2**30, 80 * 2**30
+        self.allocated, self.reserved, self.peak = 2 * 2**30, 3 * 2**30, 0
+        self.emptied = 0
+
+    def is_available(self):
+        return True
+
+    def mem_get_info(self, device):
+        return self.free, self.total
+
+    def memory_allocated(self, device):
+        return self.allocated
+
+    def memory_reserved(self, device):
+        return self.reserved
+
+    def reset_peak_memory_stats(self, device):
+        self.peak = self.allocated
+
+    def max_memory_allocated(self, device):
+        return self.peak
+
+    def empty_cache(self):
+        self.emptied += 1
+
+
+def test_nvml_probe_counts_other_processes():
+    reading = NvmlProbe(0, nvml=FakeNvml(used=6 * 2**30)).read()
+    assert reading.device_used_bytes == 6 * 2**30
+    assert reading.free_bytes == 74 * 2**30
+
+
+def test_nvml_probe_unavailable_or_odd():
+    with pytest.raises(ProbeError, match="NVML unavailable"):
+        NvmlProbe(0, nvml=FakeNvml(fail_init=True))
+    with pytest.raises(ProbeError, match="odd NVML reading"):
+        NvmlProbe(0, nvml=FakeNvml(used=90, total=80)).read()
+
+
+def test_torch_cuda_probe_counts_the_allocator_cache_as_free_and_measures_peaks():
+    cuda = FakeCuda()
+    probe = TorchCudaProbe("cuda:0", cuda=cuda)
+    reading = probe.read()
+    assert reading.free_bytes == 70 * 2**30 + 2**30  # device free + cached-but-unused
+    assert (reading.allocated_bytes, reading.reserved_bytes) == (2 * 2**30, 3 * 2**30)
+    baseline = probe.start_batch()
+    cuda.peak = baseline + 5 * 2**30
+    assert probe.batch_peak() - baseline == 5 * 2**30
+    limited = TorchCudaProbe("cuda:0", cuda=cuda, memory_limit_bytes=4 * 2**30).read()
+    assert limited.free_bytes == 2 * 2**30
+
+
+def test_composite_takes_the_smallest_free_and_drops_a_failing_probe(caplog):
+    nvml = FakeNvml(used=79 * 2**30)  # another process holds nearly everything
+    cuda = FakeCuda()
+    composite = CompositeProbe([TorchCudaProbe("cuda:0", cuda=cuda), NvmlProbe(0, nvml=nvml)])
+    reading = composite.read()
+    assert reading.free_bytes == 2**30
+    assert reading.allocated_bytes == 2 * 2**30
+    assert reading.sources == ("torch.cuda", "nvml")
+    nvml.used = 100 * 2**30  # now odd: dropped, logged once
+    with caplog.at_level(logging.WARNING):
+        composite.read()
+        composite.read()
+    assert sum("dropped" in r.message for r in caplog.records) == 1
+    assert composite.read().sources == ("torch.cuda",)
+    composite.release_cache()
+    assert cuda.emptied == 1
+
+
+def test_composite_with_no_probes_reads_nothing():
+    assert CompositeProbe([]).read().free_bytes is None

@@ -1,0 +1,133 @@
+import math
+
+import pytest
+
+from batching import (
+    AdaptiveConfig,
+    AdaptiveSizer,
+    BatchOutcome,
+    MemoryReading,
+    PeakModel,
+    fit_envelope,
+    largest_batch,
+    prior_peak_model,
+)
+
+PRIOR = PeakModel(alpha=1000.0, beta=10.0)
+MiB = 2**20
+
+
+def sizer(**overrides):
+    config = {"max_items": 64, "max_tokens": 100_000, "headroom_fraction": 0.1,
+              "safety_factor": 1.0, **overrides}  # fmt: skip
+    return AdaptiveSizer(PRIOR, AdaptiveConfig(**config))
+
+
+def reading(free):
+    return MemoryReading(free_bytes=free)
+
+
+def test_prior_from_the_config():
+    prior = prior_peak_model(hidden_size=384, intermediate_size=1536, num_heads=12, element_bytes=4)
+    assert prior.alpha == 4 * (8 * 384 + 2 * 1536)
+    assert prior.beta == 4 * 2 * 12
+    assert prior.predict(2, 10) == 2 * 10 * (prior.alpha + prior.beta * 10)
+
+
+@pytest.mark.parametrize(
+    ("true_model", "shapes"),
+    [
+        (PeakModel(500.0, 2.0), [(8, 32), (4, 128), (1, 256), (16, 64)]),
+        (PeakModel(800.0, 0.0), [(32, 32), (16, 256)]),
+    ],
+)
+def test_fit_recovers_alpha_and_beta_from_exact_peaks(true_model, shapes):
+    samples = [(n, length, true_model.predict(n, length)) for n, length in shapes]
+    fitted = fit_envelope(PRIOR, samples)
+    assert fitted.alpha == pytest.approx(true_model.alpha, rel=1e-6)
+    assert fitted.beta == pytest.approx(true_model.beta, rel=1e-6, abs=1e-9)
+
+
+def test_fit_is_an_upper_envelope_of_noisy_samples():
+    samples = [(8, 32, 300_000.0), (8, 32, 200_000.0), (4, 128, 700_000.0), (2, 256, 600_000.0)]
+    fitted = fit_envelope(PRIOR, samples)
+    for n, length, peak in samples:
+        assert fitted.predict(n, length) >= peak * (1 - 1e-9)
+
+
+def test_fit_with_one_length_scales_the_prior():
+    fitted = fit_envelope(PRIOR, [(10, 50, 2 * PRIOR.predict(10, 50))])
+    assert fitted == PeakModel(alpha=2 * PRIOR.alpha, beta=2 * PRIOR.beta)
+
+
+def test_budget_is_free_memory_less_headroom():
+    s = sizer()
+    budget = s.budget(reading(100 * MiB))
+    assert budget.max_bytes == pytest.approx(90 * MiB)
+    assert budget.predict_bytes(4, 100) == PRIOR.predict(4, 100)
+    # Without a reading and before warm-up there is no memory cap.
+    assert s.budget(None).max_bytes is None
+
+
+def test_budget_shrinks_with_free_memory_and_the_planner_follows():
+    s = sizer()
+    big = largest_batch(s.budget(reading(1000 * MiB)), 128)
+    small = largest_batch(s.budget(reading(10 * MiB)), 128)
+    assert big == 64  # capped by max_items
+    assert 0 < small < big
+    assert PRIOR.predict(small, 128) <= 9 * MiB < PRIOR.predict(small + 1, 128)
+
+
+def test_oom_lowers_the_ceiling_and_clean_batches_recover_to_what_warm_up_proved():
+    s = sizer(oom_decrease=0.5, recovery_fraction=0.25)
+    s.calibrate(BatchOutcome(16, 100, 0.1, None))
+    s.finish_warm_up()
+    proven = PRIOR.predict(16, 100)
+    assert s.proven_bytes == s.ceiling_bytes == proven
+    s.budget(reading(10 * proven))
+    s.on_oom(16, 100)
+    assert s.ceiling_bytes == pytest.approx(proven * 0.5)
+    assert s.budget(reading(10 * proven)).max_bytes == pytest.approx(proven * 0.5)
+    for expected in (0.75, 1.0, 1.0):
+        s.observe(BatchOutcome(4, 100, 0.1, None))
+        assert s.ceiling_bytes == pytest.approx(proven * expected)
+
+
+def test_oom_teaches_the_model_that_the_batch_needed_more_than_was_free():
+    s = sizer()
+    free = 10 * PRIOR.predict(8, 64)
+    s.budget(reading(free))
+    s.on_oom(8, 64)
+    assert s.model.predict(8, 64) >= free
+
+
+def test_only_peaks_above_the_line_correct_the_model():
+    s = sizer()
+    s.observe(BatchOutcome(8, 64, 0.1, int(PRIOR.predict(8, 64) / 2)))
+    assert s.model == PRIOR
+    s.observe(BatchOutcome(8, 64, 0.1, int(PRIOR.predict(8, 64) * 3)))
+    assert s.model.predict(8, 64) >= PRIOR.predict(8, 64) * 3 * (1 - 1e-9)
+
+
+def test_latency_target_is_aimd_on_padded_tokens():
+    s = sizer(max_tokens=1000, target_latency_s=0.1, oom_decrease=0.5, recovery_fraction=0.1)
+    s.observe(BatchOutcome(8, 100, 0.2, None))  # too slow: halve
+    assert s.budget(None).max_tokens == 500
+    s.observe(BatchOutcome(8, 50, 0.05, None))  # fast: +10% of the maximum
+    assert s.budget(None).max_tokens == 600
+    for _ in range(10):
+        s.observe(BatchOutcome(8, 50, 0.05, None))
+    assert s.budget(None).max_tokens == 1000
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("headroom_fraction", 1.0), ("oom_decrease", 1.5), ("target_latency_s", 0.0)],
+)
+def test_config_refuses_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        AdaptiveConfig(max_items=1, max_tokens=1, **{field: value})
+
+
+def test_no_ceiling_before_warm_up():
+    assert math.isinf(sizer().ceiling_bytes)
