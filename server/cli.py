@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import uvicorn
 from pydantic import ValidationError
 
+from bench.cli import add_bench_flags, bench
+
 from .app import create_app
 from .settings import Settings
 
@@ -87,11 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="Serve a model over HTTP.")
     add_settings_flags(serve_parser)
+    bench_parser = commands.add_parser(
+        "bench", help="Benchmark the server against the in-process limit; write a report."
+    )
+    add_bench_flags(bench_parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return bench(args)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
