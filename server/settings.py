@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     max_input_tokens: int | None = Field(
         None, ge=2, description="Truncation length; defaults to the model's own maximum."
     )
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads on CPU; default: one less than the CPUs available "
+        "(at least 1), so the event loop keeps a core.",
+    )
     max_body_bytes: int = Field(
         2 * 2**20, ge=1024, description="Largest request body accepted; beyond it 413."
     )
@@ -80,6 +86,7 @@ class Settings(BaseSettings):
             device=self.device,
             dtype=self.dtype,
             max_input_tokens=self.max_input_tokens,
+            num_threads=self.num_threads,
         )
 
     def batcher_config(self) -> BatcherConfig:
