@@ -20,6 +20,8 @@ class LimitResult:
     """Median forward pass of one input alone (the one-client requests' inputs)."""
     tokenize_s: float
     """Time to tokenize every input once, reported apart from ``compute_s``."""
+    cpu_ms_per_input: float = float("nan")
+    """Process CPU time per input of the timed passes."""
 
 
 def ideal_batches(costs: Sequence[int], max_items: int, max_tokens: int) -> list[list[int]]:
@@ -60,11 +62,12 @@ def measure_limit(
     batches = [[items[i] for i in batch] for batch in ideal_batches(costs, max_items, max_tokens)]
     loaded.forward(loaded.synthetic_items(min(max_items, 8), 32))
     loaded.forward(batches[-1])  # the longest batch, so the allocator has seen the peak
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(repeats):
         for batch in batches:
             loaded.forward(batch)
     compute_s = (time.perf_counter() - started) / repeats
+    cpu_s = (time.process_time() - cpu_started) / repeats
     singles = loaded.prepare(list(single_texts), truncate=True)
     batch1 = []
     for item in singles:
@@ -81,4 +84,5 @@ def measure_limit(
         padding_ratio=padded / sum(costs),
         batch1_p50_s=statistics.median(batch1) if batch1 else float("nan"),
         tokenize_s=tokenize_s,
+        cpu_ms_per_input=cpu_s * 1e3 / len(items),
     )

@@ -39,16 +39,19 @@ def load_table(result: BenchResult) -> str:
     limit = result.limit
     lines = [
         "| config | load | inputs/s | requests/s | p50 ms | p90 ms | p99 ms | max ms | errors "
-        "| mean batch | padding | peak RSS MiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| mean batch | padding | queue wait ms | CPU ms/input | peak RSS MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: "
+        "| ---: |",
         f"| limit | in-process, ideal batches | {limit.inputs_per_s:.1f} | - | - | - | - | - | 0 "
-        f"| {limit.mean_batch_size:.1f} | {limit.padding_ratio:.2f} | - |",
+        f"| {limit.mean_batch_size:.1f} | {limit.padding_ratio:.2f} | - "
+        f"| {_num(limit.cpu_ms_per_input, 2)} | - |",
     ]
     for s in result.summaries:
         lines.append(
             f"| {s.config} | {s.load} | {s.inputs_per_s:.1f} | {s.requests_per_s:.1f} "
             f"| {_ms(s.p50_s)} | {_ms(s.p90_s)} | {_ms(s.p99_s)} | {_ms(s.max_s)} "
             f"| {_errors(s.errors)} | {_num(s.mean_batch_size)} | {_num(s.padding_ratio, 2)} "
+            f"| {_ms(s.mean_queue_wait_s)} | {_num(s.cpu_ms_per_input, 2)} "
             f"| {_mib(s.peak_rss_bytes)} |"
         )
     return "\n".join(lines)
@@ -59,13 +62,13 @@ def idle_table(idle: dict[str, LoadSummary], batch1_p50_s: float) -> str:
         f"One client, single-input requests, one at a time (model batch-1 p50: "
         f"{batch1_p50_s * 1e3:.2f} ms).",
         "",
-        "| config | requests | p50 ms | p90 ms | p99 ms | errors |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
+        "| config | requests | p50 ms | p90 ms | p99 ms | server queue wait ms | errors |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for config, s in idle.items():
         lines.append(
             f"| {config} | {s.num_requests} | {_ms(s.p50_s)} | {_ms(s.p90_s)} | {_ms(s.p99_s)} "
-            f"| {_errors(s.errors)} |"
+            f"| {_num(s.mean_queue_wait_s * 1e3, 2)} | {_errors(s.errors)} |"
         )
     return "\n".join(lines)
 

@@ -143,9 +143,12 @@ def _run_config(
 ) -> None:
     options = result.options
     asyncio.run(_warm_up(replica.url, requests))
+    before = _scrape(replica.url)
     idle = asyncio.run(closed_loop(replica.url, singles, concurrency=1,
                                    max_duration_s=options.max_level_s))  # fmt: skip
-    result.idle[config] = summarize(config, "idle c=1", idle.outcomes, idle.wall_s)
+    after = _scrape(replica.url)
+    result.idle[config] = summarize(config, "idle c=1", idle.outcomes, idle.wall_s,
+                                    metrics_before=before, metrics_after=after)  # fmt: skip
     for level in levels:
         last = timeline and level == levels[-1]
         summary, samples = _run_level(replica, config, level, requests, spec, options,
@@ -170,6 +173,7 @@ def _run_level(
     scrape: bool,
 ) -> tuple[LoadSummary, list[Sample]]:
     before = _scrape(replica.url)
+    cpu_before = replica.cpu_seconds()
     with Sampler(replica, scrape=scrape) as sampler:
         run: RunResult
         if level.startswith("c="):
@@ -181,8 +185,11 @@ def _run_level(
             pool = make_requests(WorkloadSpec(seed=options.seed + 1), len(times))
             run = asyncio.run(open_loop(replica.url, pool, times))
     after = _scrape(replica.url)
+    cpu_after = replica.cpu_seconds()
+    cpu_s = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
     summary = summarize(config, level, run.outcomes, run.wall_s, metrics_before=before,
-                        metrics_after=after, peak_rss_bytes=sampler.peak_rss_bytes)  # fmt: skip
+                        metrics_after=after, peak_rss_bytes=sampler.peak_rss_bytes,
+                        cpu_s=cpu_s)  # fmt: skip
     return summary, sampler.samples
 
 

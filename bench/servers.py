@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -48,6 +49,14 @@ class Replica:
 
     def peak_rss_bytes(self) -> int | None:
         return read_status_bytes(self.process.pid, "VmHWM")
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the replica process so far."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

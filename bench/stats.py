@@ -40,6 +40,10 @@ class LoadSummary:
     errors: dict[str, int] = field(default_factory=dict)
     mean_batch_size: float = math.nan
     padding_ratio: float = math.nan
+    mean_queue_wait_s: float = math.nan
+    """Server side: admission to the start of the item's batch (fill window included)."""
+    cpu_ms_per_input: float = math.nan
+    """Server process CPU time per successful input: robust to a shared host."""
     peak_rss_bytes: int | None = None
 
 
@@ -52,15 +56,17 @@ def summarize(
     metrics_before: Mapping[str, float] | None = None,
     metrics_after: Mapping[str, float] | None = None,
     peak_rss_bytes: int | None = None,
+    cpu_s: float | None = None,
 ) -> LoadSummary:
     """Throughput counts successful requests only; latency percentiles are over them too."""
     ok = [o for o in outcomes if o.status == 200]
     latencies = [o.latency_s for o in ok]
     inputs = sum(o.num_inputs for o in ok)
     errors = Counter(str(o.status) for o in outcomes if o.status != 200)
-    batch, padding = math.nan, math.nan
+    batch, padding, wait = math.nan, math.nan, math.nan
     if metrics_before is not None and metrics_after is not None:
         batch, padding = batching_figures(metrics_before, metrics_after)
+        wait = _mean(metrics_before, metrics_after, "batchfit_queue_wait_seconds")
     wall = max(wall_s, 1e-9)
     return LoadSummary(
         config=config,
@@ -77,6 +83,8 @@ def summarize(
         errors=dict(sorted(errors.items())),
         mean_batch_size=batch,
         padding_ratio=padding,
+        mean_queue_wait_s=wait,
+        cpu_ms_per_input=cpu_s * 1e3 / inputs if cpu_s is not None and inputs else math.nan,
         peak_rss_bytes=peak_rss_bytes,
     )
 
@@ -87,7 +95,15 @@ SAMPLES = (
     "batchfit_batch_size_count",
     "batchfit_batch_real_tokens_total",
     "batchfit_batch_padded_tokens_total",
+    "batchfit_queue_wait_seconds_sum",
+    "batchfit_queue_wait_seconds_count",
 )
+
+
+def _mean(before: Mapping[str, float], after: Mapping[str, float], histogram: str) -> float:
+    count = after.get(histogram + "_count", 0.0) - before.get(histogram + "_count", 0.0)
+    total = after.get(histogram + "_sum", 0.0) - before.get(histogram + "_sum", 0.0)
+    return total / count if count > 0 else math.nan
 
 
 def parse_scrape(text: str) -> dict[str, float]:

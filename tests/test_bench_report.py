@@ -124,3 +124,12 @@ def test_write_report_writes_markdown_json_and_pngs(tmp_path):
     figures = json.loads((tmp_path / "out" / "results.json").read_text())
     assert figures["limit"]["inputs_per_s"] == 200.0
     assert len(figures["summaries"]) == 4 and len(figures["targets"]) == 4
+
+
+def test_summary_reads_queue_wait_and_cpu_per_input():
+    before = {"batchfit_queue_wait_seconds_sum": 1.0, "batchfit_queue_wait_seconds_count": 10}
+    after = {"batchfit_queue_wait_seconds_sum": 1.5, "batchfit_queue_wait_seconds_count": 110}
+    s = summarize("adaptive", "c=1", outcomes([10] * 5), 1.0, metrics_before=before,
+                  metrics_after=after, cpu_s=0.2)  # fmt: skip
+    assert s.mean_queue_wait_s == pytest.approx(0.005)
+    assert s.cpu_ms_per_input == pytest.approx(20.0)
