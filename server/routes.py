@@ -50,8 +50,11 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def require_json(request: Request) -> None:
-    """Refuse a body declared as something other than JSON (415); no header means JSON."""
+async def require_json(request: Request) -> None:
+    """Refuse a body declared as something other than JSON (415); no header means JSON.
+
+    NOTE: async on purpose: FastAPI runs a plain ``def`` dependency in its thread pool, a
+    thread hop (and a worker thread) per request."""
     content_type = request.headers.get("content-type")
     if content_type is None:
         return
