@@ -27,6 +27,8 @@ class BatcherConfig:
     max_wait_s: float = 0.002
     plan_window: int = 1024
     """How many of the oldest waiting items the planner considers."""
+    max_length_ratio: float | None = None
+    """Longest / shortest item in one batch (see ``plan_batch``); None: no bound."""
 
 
 class ModelThread:
@@ -100,7 +102,10 @@ class Batcher:
             return 0
         priorities = [p.priority for p in waiting]
         plan = plan_batch(
-            [p.cost for p in waiting], budget, priorities if any(priorities) else None
+            [p.cost for p in waiting],
+            budget,
+            priorities if any(priorities) else None,
+            max_length_ratio=self.config.max_length_ratio,
         )
         batch = [waiting[i] for i in plan.indices]
         self.queue.remove(batch)

@@ -36,11 +36,17 @@ class Settings(BaseSettings):
         4096, ge=1, description="Most padded tokens (items x longest input) in one forward pass."
     )
     max_wait_ms: float = Field(
-        2.0,
+        0.0,
         ge=0,
         le=1000,
         description="How long the oldest waiting item may wait for batch-mates while the model "
         "is idle. Batches mostly form while the model runs the previous one.",
+    )
+    max_length_ratio: float | None = Field(
+        2.0,
+        ge=1,
+        description="Longest / shortest input in one batch (plus 16 tokens of slack); a short "
+        "input padded to a long one's length wastes compute. A large value lifts the bound.",
     )
     max_queue_items: int = Field(
         1024, ge=1, description="Queue capacity in items; beyond it requests get 429."
@@ -90,7 +96,9 @@ class Settings(BaseSettings):
         )
 
     def batcher_config(self) -> BatcherConfig:
-        return BatcherConfig(max_wait_s=self.max_wait_ms / 1000)
+        return BatcherConfig(
+            max_wait_s=self.max_wait_ms / 1000, max_length_ratio=self.max_length_ratio
+        )
 
     def server_config(self) -> ServerConfig:
         return ServerConfig(
