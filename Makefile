@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ install: $(VENV)/.installed
 
 serve: install
 	$(VENV)/bin/batchfit serve $(ARGS)
+
+bench: install
+	$(VENV)/bin/batchfit bench $(ARGS)
 
 lint: install
 	$(PY) -m ruff check .
