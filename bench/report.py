@@ -178,7 +178,7 @@ def plot_timeline(result: BenchResult, path: Path) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     series = batch_size_series(result.timeline)
-    top.plot([t for t, _ in series], [b for _, b in series], "-", drawstyle="steps-post")
+    top.plot([t for t, _ in series], [b for _, b in series], "-", drawstyle="steps-pre")
     top.set_ylabel("mean batch size")
     top.set_title(f"{result.timeline_config} at {result.timeline_load}")
     top.grid(True, alpha=0.3)

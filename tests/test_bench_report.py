@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -133,3 +134,11 @@ def test_summary_reads_queue_wait_and_cpu_per_input():
                   metrics_after=after, cpu_s=0.2)  # fmt: skip
     assert s.mean_queue_wait_s == pytest.approx(0.005)
     assert s.cpu_ms_per_input == pytest.approx(20.0)
+
+
+def test_cpu_time_target_when_both_sides_were_measured():
+    result = make_result()
+    result.limit = replace(LIMIT, cpu_ms_per_input=9.0)
+    result.summaries[-1] = replace(result.summaries[-1], cpu_ms_per_input=10.0)
+    cpu = {t.name: t for t in targets(result)}["CPU time per input, limit vs server at saturation"]
+    assert cpu.ratio == pytest.approx(0.9) and cpu.met
