@@ -39,11 +39,12 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     add("--rates", type=_floats, default=None,
         help="Open-loop load levels: requests per second, Poisson with bursts (default: none).")
     add("--requests", type=int, default=None,
-        help="Requests per closed-loop level (default: 400; --quick: 40).")
+        help="Requests per closed-loop level (default: 400; --quick: 24).")
     add("--duration-s", type=float, default=None,
         help="Length of each open-loop level (default: 10).")
     add("--idle-requests", type=int, default=None,
-        help="Single-input requests sent one at a time for the idle-latency target (default: 100).")
+        help="Single-input requests sent one by one for the idle-latency target "
+             "(default: 100; --quick: 10).")
     add("--seed", type=int, default=None, help="Workload seed (default: 0).")
     add("--server-flag", action="append", default=[], dest="server_flags", metavar="FLAG",
         help="Extra flag for every server (repeatable), e.g. --server-flag=--max-wait-ms=0.")
