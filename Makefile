@@ -3,20 +3,23 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@# torch is pinned on its own first: any other spec pulls a multi-GB CUDA build here.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $@
 
 install: $(VENV)/.installed
 
 serve: install
 	$(VENV)/bin/batchfit serve $(ARGS)
+
+bench: install
+	$(VENV)/bin/batchfit bench $(ARGS)
 
 lint: install
 	$(PY) -m ruff check .

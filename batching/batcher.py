@@ -30,6 +30,8 @@ class BatcherConfig:
     """How many of the oldest waiting items the planner considers."""
     oom_split: bool = True
     """Retry a batch that ran out of memory as two halves; off fails the whole batch."""
+    max_length_ratio: float | None = None
+    """Longest / shortest item in one batch (see ``plan_batch``); None: no bound."""
 
 
 class ModelThread:
@@ -112,7 +114,10 @@ class Batcher:
             return 0
         priorities = [p.priority for p in waiting]
         plan = plan_batch(
-            [p.cost for p in waiting], budget, priorities if any(priorities) else None
+            [p.cost for p in waiting],
+            budget,
+            priorities if any(priorities) else None,
+            max_length_ratio=self.config.max_length_ratio,
         )
         batch = [waiting[i] for i in plan.indices]
         self.queue.remove(batch)

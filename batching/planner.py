@@ -51,15 +51,27 @@ class BatchPlan:
         return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
 
 
+# Short items may join longer ones by this many tokens beyond the length ratio: one more
+# forward pass costs about as much as a few padded tokens per item.
+LENGTH_SLACK_TOKENS = 16
+
+
 def plan_batch(
-    costs: Sequence[int], budget: BatchBudget, priorities: Sequence[int] | None = None
+    costs: Sequence[int],
+    budget: BatchBudget,
+    priorities: Sequence[int] | None = None,
+    *,
+    max_length_ratio: float | None = None,
 ) -> BatchPlan:
     """Pick the next batch from ``costs``, given in queue order (priority, then arrival).
 
     The first item always goes in, even over budget, so nothing starves (the OOM path deals
     with an item too large to run). Then the items nearest in length to it join, higher
     priority first and FIFO among equals, while ``n * longest`` and the predicted peak stay
-    within the budget. Items that do not fit are skipped, not reordered.
+    within the budget. Items that do not fit are skipped, not reordered. With
+    ``max_length_ratio``, an item joins only if the batch's longest item stays within that
+    ratio of its shortest (plus ``LENGTH_SLACK_TOKENS``): padding a short item to a long one's
+    length costs more compute than running it in the next batch.
     """
     if not costs:
         return BatchPlan(indices=(), padded_len=0, real_tokens=0)
@@ -71,14 +83,19 @@ def plan_batch(
             range(1, len(costs)), key=lambda i: (-priorities[i], abs(costs[i] - anchor), i)
         )
     chosen = [0]
-    padded_len = anchor
+    padded_len = shortest = anchor
     for i in order:
         if len(chosen) >= budget.max_items:
             break
         candidate_len = max(padded_len, costs[i])
+        if max_length_ratio is not None and candidate_len > (
+            max_length_ratio * min(shortest, costs[i]) + LENGTH_SLACK_TOKENS
+        ):
+            continue
         if budget.fits(len(chosen) + 1, candidate_len):
             chosen.append(i)
             padded_len = candidate_len
+            shortest = min(shortest, costs[i])
     chosen.sort()
     return BatchPlan(
         indices=tuple(chosen),

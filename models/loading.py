@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,8 @@ class ModelSpec:
     dtype: str = "float32"
     max_input_tokens: int | None = None
     quantize: str = "none"
+    num_threads: int | None = None
+    """torch intra-op threads on CPU; None: see ``cpu_threads``."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -52,6 +55,17 @@ def resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
     return resolved
+
+
+def cpu_threads(requested: int | None) -> int:
+    """Intra-op threads for CPU inference: as asked, else one less than the CPUs this process
+    may use (at least 1). NOTE: the event loop needs a core for HTTP and tokenization; with
+    every core in torch's pool the pool's barriers stall whenever the loop (or anything else
+    on the host) runs, which on a 2-core host halves throughput instead of doubling it."""
+    if requested is not None:
+        return requested
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return max(1, (available or os.cpu_count() or 1) - 1)
 
 
 def resolve_model_path(model: str) -> str:
@@ -117,6 +131,8 @@ def load_model(spec: ModelSpec) -> Model:
     """Load the model named by ``spec`` (safetensors only, no remote code), or call the
     factory of a ``python:package.module:factory`` entry point."""
     if is_entry_point(spec.model):
+        if resolve_device(spec.device).type == "cpu":
+            torch.set_num_threads(cpu_threads(spec.num_threads))
         return load_entry_point(spec)
     path = resolve_model_path(spec.model)
     device = resolve_device(spec.device)
@@ -124,6 +140,9 @@ def load_model(spec: ModelSpec) -> Model:
         raise ModelLoadError(f"unknown dtype {spec.dtype!r}; expected one of {', '.join(_DTYPES)}")
     dtype = _DTYPES[spec.dtype]
     check_quantize(spec.quantize, device, dtype)
+    if device.type == "cpu":
+        # Called on the thread that will run the forward passes (the model thread).
+        torch.set_num_threads(cpu_threads(spec.num_threads))
     log.info("loading model %s from %s on %s (%s)", spec.model, path, device, spec.dtype)
     transformers_logging.disable_progress_bar()
     try:

@@ -13,6 +13,8 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
+from bench.cli import add_bench_flags, bench
+
 from .app import create_app
 from .launcher import REPLICA_ADDRESS_FIELDS, up
 from .nginx import UVICORN_KEEP_ALIVE_S
@@ -110,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_settings_flags(up_parser, LauncherSettings)
     add_settings_flags(up_parser, Settings, skip=REPLICA_ADDRESS_FIELDS)
+    bench_parser = commands.add_parser(
+        "bench", help="Benchmark the server against the in-process limit; write a report."
+    )
+    add_bench_flags(bench_parser)
     return parser
 
 
@@ -117,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "up":
         return up(args)
+    if args.command == "bench":
+        return bench(args)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:

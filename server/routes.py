@@ -52,7 +52,9 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 async def require_json(request: Request) -> None:
     """Refuse a body declared as something other than JSON (415); no header means JSON.
-    Async on purpose: FastAPI runs a sync dependency on a worker thread, for every request."""
+
+    NOTE: async on purpose: FastAPI runs a plain ``def`` dependency in its thread pool, a
+    thread hop (and a worker thread) per request."""
     content_type = request.headers.get("content-type")
     if content_type is None:
         return

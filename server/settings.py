@@ -56,11 +56,17 @@ class Settings(BaseSettings):
         4096, ge=1, description="Most padded tokens (items x longest input) in one forward pass."
     )
     max_wait_ms: float = Field(
-        2.0,
+        0.0,
         ge=0,
         le=1000,
         description="How long the oldest waiting item may wait for batch-mates while the model "
         "is idle. Batches mostly form while the model runs the previous one.",
+    )
+    max_length_ratio: float | None = Field(
+        2.0,
+        ge=1,
+        description="Longest / shortest input in one batch (plus 16 tokens of slack); a short "
+        "input padded to a long one's length wastes compute. A large value lifts the bound.",
     )
     max_queue_items: int = Field(
         1024, ge=1, description="Queue capacity in items; beyond it requests get 429."
@@ -70,6 +76,12 @@ class Settings(BaseSettings):
     )
     max_input_tokens: int | None = Field(
         None, ge=2, description="Truncation length; defaults to the model's own maximum."
+    )
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads on CPU; default: one less than the CPUs available "
+        "(at least 1), so the event loop keeps a core.",
     )
     max_body_bytes: int = Field(
         2 * 2**20, ge=1024, description="Largest request body accepted; beyond it 413."
@@ -135,10 +147,15 @@ class Settings(BaseSettings):
             dtype=self.dtype,
             max_input_tokens=self.max_input_tokens,
             quantize=self.quantize,
+            num_threads=self.num_threads,
         )
 
     def batcher_config(self) -> BatcherConfig:
-        return BatcherConfig(max_wait_s=self.max_wait_ms / 1000, oom_split=self.oom_split)
+        return BatcherConfig(
+            max_wait_s=self.max_wait_ms / 1000,
+            max_length_ratio=self.max_length_ratio,
+            oom_split=self.oom_split,
+        )
 
     def adaptive_config(self) -> AdaptiveConfig:
         return AdaptiveConfig(

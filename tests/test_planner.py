@@ -67,3 +67,23 @@ def test_split_halves(n, halves):
 def test_budget_rejects_nonsense(items, tokens):
     with pytest.raises(ValueError, match="at least 1"):
         BatchBudget(max_items=items, max_tokens=tokens)
+
+
+@pytest.mark.parametrize(
+    ("costs", "ratio", "expected"),
+    [
+        # 15 short items and one long: the long one waits for the next batch.
+        ([20] * 15 + [230], 2.0, tuple(range(15))),
+        ([20] * 15 + [230], None, tuple(range(16))),
+        # Within ratio x shortest + 16 tokens of slack.
+        ([10, 36, 37, 20], 2.0, (0, 1, 3)),
+        ([100, 40, 217, 180], 2.0, (0, 3)),
+        # The anchor always runs, even alone.
+        ([230, 10, 12], 2.0, (0,)),
+    ],
+)
+def test_length_ratio_bounds_padding(costs, ratio, expected):
+    plan = plan_batch(costs, budget(items=32, tokens=4096), max_length_ratio=ratio)
+    assert plan.indices == expected
+    if ratio is not None:
+        assert plan.padded_len <= ratio * min(costs[i] for i in plan.indices) + 16

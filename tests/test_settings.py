@@ -12,10 +12,18 @@ def test_every_field_is_described():
 
 def test_env_prefix(monkeypatch):
     monkeypatch.setenv("BATCHFIT_MAX_BATCH_SIZE", "7")
-    monkeypatch.setenv("BATCHFIT_MAX_WAIT_MS", "0")
+    monkeypatch.setenv("BATCHFIT_MAX_WAIT_MS", "3")
+    monkeypatch.setenv("BATCHFIT_MAX_LENGTH_RATIO", "1.5")
     settings = Settings()
     assert settings.max_batch_size == 7
-    assert settings.batcher_config().max_wait_s == 0
+    assert settings.batcher_config().max_wait_s == pytest.approx(0.003)
+    assert settings.batcher_config().max_length_ratio == 1.5
+
+
+def test_defaults_add_no_idle_wait_and_bound_padding():
+    config = Settings().batcher_config()
+    assert config.max_wait_s == 0
+    assert config.max_length_ratio == 2.0
 
 
 def test_cli_flags_match_field_names_and_override_env(monkeypatch):

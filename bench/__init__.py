@@ -1,0 +1,33 @@
+"""``batchfit bench``: load generators, the in-process limit, and the report."""
+
+from .limit import LimitResult, ideal_batches, measure_limit
+from .loadgen import Outcome, RunResult, closed_loop, open_loop
+from .report import render_markdown, write_report
+from .runner import SERVER_CONFIGS, BenchOptions, BenchResult, run_bench, targets
+from .stats import LoadSummary, batching_figures, parse_scrape, percentile, summarize
+from .workload import WorkloadSpec, arrival_times, make_requests
+
+__all__ = [
+    "SERVER_CONFIGS",
+    "BenchOptions",
+    "BenchResult",
+    "LimitResult",
+    "LoadSummary",
+    "Outcome",
+    "RunResult",
+    "WorkloadSpec",
+    "arrival_times",
+    "batching_figures",
+    "closed_loop",
+    "ideal_batches",
+    "make_requests",
+    "measure_limit",
+    "open_loop",
+    "parse_scrape",
+    "percentile",
+    "render_markdown",
+    "run_bench",
+    "summarize",
+    "targets",
+    "write_report",
+]

@@ -1,0 +1,86 @@
+"""``batchfit bench``: flags and the entry point."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from .report import write_report
+from .runner import SERVER_CONFIGS, BenchOptions, quick_options, run_bench, targets
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    # fmt: off
+    add("--quick", action="store_true",
+        help="Small counts (off and adaptive, 2 load levels): a smoke test in well under a minute.")
+    add("--out", type=Path, default=Path("bench-report"),
+        help="Folder for report.md, results.json and the PNG plots (default: bench-report).")
+    add("--configs", type=_names, default=None,
+        help=f"Comma-separated server configurations, of {','.join(SERVER_CONFIGS)} "
+             "(default: all; --quick: off,adaptive).")
+    add("--concurrency", type=_ints, default=None,
+        help="Closed-loop load levels: concurrent clients (default: 1,4,16,64; --quick: 1,8).")
+    add("--rates", type=_floats, default=None,
+        help="Open-loop load levels: requests per second, Poisson with bursts (default: none).")
+    add("--requests", type=int, default=None,
+        help="Requests per closed-loop level (default: 400; --quick: 24).")
+    add("--duration-s", type=float, default=None,
+        help="Length of each open-loop level (default: 10).")
+    add("--idle-requests", type=int, default=None,
+        help="Single-input requests sent one by one for the idle-latency target "
+             "(default: 100; --quick: 10).")
+    add("--seed", type=int, default=None, help="Workload seed (default: 0).")
+    add("--server-flag", action="append", default=[], dest="server_flags", metavar="FLAG",
+        help="Extra flag for every server (repeatable), e.g. --server-flag=--max-wait-ms=0.")
+    # fmt: on
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    given = {
+        "configs": args.configs,
+        "concurrency": args.concurrency,
+        "rates": args.rates,
+        "requests_per_level": args.requests,
+        "duration_s": args.duration_s,
+        "idle_requests": args.idle_requests,
+        "seed": args.seed,
+        "extra_server_flags": tuple(args.server_flags) or None,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if args.quick:
+        return quick_options(**given)
+    return BenchOptions(**given)  # type: ignore[arg-type]
+
+
+def bench(args: argparse.Namespace) -> int:
+    logging.basicConfig(level="INFO", format="%(asctime)s bench: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        options = options_from_args(args)
+    except ValueError as exc:
+        print(f"batchfit bench: {exc}", file=sys.stderr)
+        return 2
+    result = run_bench(options)
+    command = "batchfit " + shlex.join(sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"])
+    paths = write_report(result, args.out, command=command)
+    for target in targets(result):
+        status = "n/a" if target.met is None else ("met" if target.met else "MISSED")
+        print(f"{target.name}: {target.measured} ratio {target.ratio:.2f} ({status})")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0

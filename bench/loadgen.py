@@ -1,0 +1,121 @@
+"""Load generators over HTTP: closed loop (C clients, N requests) and open loop (arrivals at
+given times for a fixed duration). Both are bounded in count and time and stop by themselves."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One request as the client saw it. ``status`` 0 means a transport error or a timeout."""
+
+    sent_s: float
+    latency_s: float
+    status: int
+    num_inputs: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    outcomes: list[Outcome]
+    wall_s: float
+
+
+def encode_bodies(requests: Sequence[Sequence[str]]) -> list[bytes]:
+    """Bodies are encoded before the clock starts, so the client spends less CPU under load."""
+    return [orjson.dumps({"inputs": list(inputs)}) for inputs in requests]
+
+
+def _client(url: str, num_connections: int, timeout_s: float) -> httpx.AsyncClient:
+    limits = httpx.Limits(
+        max_connections=num_connections, max_keepalive_connections=num_connections
+    )
+    return httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout_s)
+
+
+async def _send(
+    client: httpx.AsyncClient,
+    body: bytes,
+    num_inputs: int,
+    started: float,
+    scheduled: float | None = None,
+) -> Outcome:
+    # Open loop measures from the scheduled send time, so a slow client cannot hide queueing.
+    sent = time.perf_counter() if scheduled is None else scheduled
+    try:
+        response = await client.post(
+            "/v1/infer", content=body, headers={"content-type": "application/json"}
+        )
+        await response.aread()
+        status = response.status_code
+    except httpx.HTTPError:
+        status = 0
+    return Outcome(sent - started, time.perf_counter() - sent, status, num_inputs)
+
+
+async def closed_loop(
+    url: str,
+    requests: Sequence[Sequence[str]],
+    *,
+    concurrency: int,
+    max_duration_s: float,
+    timeout_s: float = 60.0,
+) -> RunResult:
+    """``concurrency`` clients each send their next request as soon as the last one answers,
+    until every request was sent once or ``max_duration_s`` passed."""
+    bodies = encode_bodies(requests)
+    counts = [len(r) for r in requests]
+    next_index = 0
+    outcomes: list[Outcome] = []
+    async with _client(url, concurrency, timeout_s) as client:
+        started = time.perf_counter()
+        stop_at = started + max_duration_s
+
+        async def one_client() -> None:
+            nonlocal next_index
+            while next_index < len(bodies) and time.perf_counter() < stop_at:
+                i = next_index
+                next_index += 1
+                outcomes.append(await _send(client, bodies[i], counts[i], started))
+
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return RunResult(outcomes, wall)
+
+
+async def open_loop(
+    url: str,
+    requests: Sequence[Sequence[str]],
+    send_times_s: Sequence[float],
+    *,
+    max_connections: int = 256,
+    timeout_s: float = 30.0,
+) -> RunResult:
+    """Send request ``i`` at ``send_times_s[i]`` whether or not earlier ones answered (Poisson
+    arrivals do not wait for the server). Stops after the last send time and at most
+    ``timeout_s`` more for the answers still out."""
+    if len(send_times_s) > len(requests):
+        raise ValueError(f"{len(send_times_s)} send times but only {len(requests)} requests")
+    bodies = encode_bodies(requests[: len(send_times_s)])
+    tasks: list[asyncio.Task[Outcome]] = []
+    async with _client(url, max_connections, timeout_s) as client:
+        started = time.perf_counter()
+        for i, at in enumerate(send_times_s):
+            delay = started + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(
+                asyncio.create_task(
+                    _send(client, bodies[i], len(requests[i]), started, started + at)
+                )
+            )
+        outcomes = list(await asyncio.gather(*tasks))
+        wall = time.perf_counter() - started
+    return RunResult(outcomes, wall)

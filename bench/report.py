@@ -1,0 +1,214 @@
+"""Write a run's Markdown report, its JSON figures and its PNG plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from .runner import BenchResult, Target, targets
+from .sampler import batch_size_series
+from .stats import LoadSummary
+
+REPORT = "report.md"
+FIGURES = "results.json"
+THROUGHPUT_PLOT = "throughput_vs_p99.png"
+TIMELINE_PLOT = "timeline.png"
+
+
+def _ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.1f}"
+
+
+def _num(value: float, digits: int = 1) -> str:
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _errors(errors: dict[str, int]) -> str:
+    return ", ".join(f"{code}: {n}" for code, n in errors.items()) or "0"
+
+
+def load_table(result: BenchResult) -> str:
+    """Throughput and latency at each load level, with the in-process limit first."""
+    limit = result.limit
+    lines = [
+        "| config | load | inputs/s | requests/s | p50 ms | p90 ms | p99 ms | max ms | errors "
+        "| mean batch | padding | queue wait ms | CPU ms/input | peak RSS MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: "
+        "| ---: |",
+        f"| limit | in-process, ideal batches | {limit.inputs_per_s:.1f} | - | - | - | - | - | 0 "
+        f"| {limit.mean_batch_size:.1f} | {limit.padding_ratio:.2f} | - "
+        f"| {_num(limit.cpu_ms_per_input, 2)} | - |",
+    ]
+    for s in result.summaries:
+        lines.append(
+            f"| {s.config} | {s.load} | {s.inputs_per_s:.1f} | {s.requests_per_s:.1f} "
+            f"| {_ms(s.p50_s)} | {_ms(s.p90_s)} | {_ms(s.p99_s)} | {_ms(s.max_s)} "
+            f"| {_errors(s.errors)} | {_num(s.mean_batch_size)} | {_num(s.padding_ratio, 2)} "
+            f"| {_ms(s.mean_queue_wait_s)} | {_num(s.cpu_ms_per_input, 2)} "
+            f"| {_mib(s.peak_rss_bytes)} |"
+        )
+    return "\n".join(lines)
+
+
+def idle_table(idle: dict[str, LoadSummary], batch1_p50_s: float) -> str:
+    lines = [
+        f"One client, single-input requests, one at a time (model batch-1 p50: "
+        f"{batch1_p50_s * 1e3:.2f} ms).",
+        "",
+        "| config | requests | p50 ms | p90 ms | p99 ms | server queue wait ms | errors |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for config, s in idle.items():
+        lines.append(
+            f"| {config} | {s.num_requests} | {_ms(s.p50_s)} | {_ms(s.p90_s)} | {_ms(s.p99_s)} "
+            f"| {_num(s.mean_queue_wait_s * 1e3, 2)} | {_errors(s.errors)} |"
+        )
+    return "\n".join(lines)
+
+
+def target_table(rows: Sequence[Target]) -> str:
+    lines = ["| target | measured | goal | ratio | met |", "| --- | --- | --- | ---: | --- |"]
+    for t in rows:
+        met = "n/a" if t.met is None else ("yes" if t.met else "**no**")
+        lines.append(f"| {t.name} | {t.measured} | {t.goal} | {t.ratio:.2f} | {met} |")
+    return "\n".join(lines)
+
+
+def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
+    o, limit = result.options, result.limit
+    load = ", ".join(f"{x:.2f}" for x in result.load_average)
+    parts = [
+        "# Batchfit benchmark",
+        "",
+        f"Run {result.started_at} on {result.cpu_count} CPUs (load average at start: {load}), "
+        f"{result.wall_s:.0f} s in all. Command:",
+        "",
+        f"```sh\n{command}\n```",
+        "",
+        f"Workload: seed {o.seed}, {o.requests_per_level} requests per closed-loop level "
+        "(75% short, 20% medium, 5% near the 256-token maximum; 20% of requests carry 2-8 "
+        "inputs); open-loop levels send Poisson arrivals with 10% bursts of 16 for "
+        f"{o.duration_s:g} s. The limit runs the same inputs through `model.forward` in "
+        f"ideal batches (sorted by length, at most {o.max_batch_size} items and "
+        f"{o.max_batch_tokens} padded tokens): {limit.num_batches} batches, "
+        f"{limit.compute_s:.2f} s of compute; tokenizing them took {limit.tokenize_s:.3f} s "
+        "more (not counted). Padding is padded / real tokens. Latencies are client-side, "
+        "over successful requests.",
+        "",
+        "## Throughput and latency by load level",
+        "",
+        load_table(result),
+        "",
+        "## Idle latency",
+        "",
+        idle_table(result.idle, limit.batch1_p50_s),
+        "",
+        "## Targets",
+        "",
+        target_table(targets(result)),
+        "",
+    ]
+    if plots:
+        parts += [
+            "## Plots",
+            "",
+            f"![throughput vs p99]({THROUGHPUT_PLOT})",
+            "",
+            f"![batch size and memory over time]({TIMELINE_PLOT})",
+            "",
+            f"Batch size and memory over time: {result.timeline_config} at {result.timeline_load}.",
+            "",
+        ]
+    return "\n".join(parts)
+
+
+def to_json(result: BenchResult) -> dict[str, object]:
+    def clean(value: object) -> object:
+        if isinstance(value, float) and math.isnan(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [clean(v) for v in value]
+        return value
+
+    data = dataclasses.asdict(result)
+    data["targets"] = [dataclasses.asdict(t) for t in targets(result)]
+    return clean(data)  # type: ignore[return-value]
+
+
+def plot_throughput(result: BenchResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    configs = dict.fromkeys(s.config for s in result.summaries)
+    for config in configs:
+        rows = [s for s in result.summaries if s.config == config and not math.isnan(s.p99_s)]
+        ax.plot([s.p99_s * 1e3 for s in rows], [s.inputs_per_s for s in rows], "o-", label=config)
+        for s in rows:
+            ax.annotate(s.load, (s.p99_s * 1e3, s.inputs_per_s), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))  # fmt: skip
+    ax.axhline(result.limit.inputs_per_s, color="k", linestyle="--", label="in-process limit")
+    ax.set_xscale("log")
+    ax.set_xlabel("p99 latency (ms, log)")
+    ax.set_ylabel("throughput (inputs/s)")
+    ax.set_title("Throughput vs p99 latency across load levels")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timeline(result: BenchResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    series = batch_size_series(result.timeline)
+    top.plot([t for t, _ in series], [b for _, b in series], "-", drawstyle="steps-pre")
+    top.set_ylabel("mean batch size")
+    top.set_title(f"{result.timeline_config} at {result.timeline_load}")
+    top.grid(True, alpha=0.3)
+    rss = [(s.t_s, s.rss_bytes / 2**20) for s in result.timeline if s.rss_bytes is not None]
+    bottom.plot([t for t, _ in rss], [m for _, m in rss], "-", color="tab:red")
+    bottom.set_ylabel("resident memory (MiB)")
+    bottom.set_xlabel("time (s)")
+    bottom.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plots_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_report(result: BenchResult, out_dir: Path, *, command: str) -> list[Path]:
+    """Write the report, the figures and (with matplotlib) the plots; return the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = plots_available()
+    written = []
+    if plots:
+        plot_throughput(result, out_dir / THROUGHPUT_PLOT)
+        plot_timeline(result, out_dir / TIMELINE_PLOT)
+        written += [out_dir / THROUGHPUT_PLOT, out_dir / TIMELINE_PLOT]
+    (out_dir / REPORT).write_text(render_markdown(result, command=command, plots=plots))
+    (out_dir / FIGURES).write_text(json.dumps(to_json(result), indent=1) + "\n")
+    return [out_dir / REPORT, out_dir / FIGURES, *written]

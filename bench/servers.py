@@ -1,0 +1,139 @@
+"""Start one replica (``python -m server serve``) on a loopback port, watch it, stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_status_bytes(pid: int, field: str) -> int | None:
+    """A ``kB`` field of /proc/<pid>/status (VmRSS, VmHWM) in bytes; None where unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclass
+class Replica:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def rss_bytes(self) -> int | None:
+        return read_status_bytes(self.process.pid, "VmRSS")
+
+    def peak_rss_bytes(self) -> int | None:
+        return read_status_bytes(self.process.pid, "VmHWM")
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the replica process so far."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def wait_ready(replica: Replica, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2) as client:
+        while time.monotonic() < deadline:
+            if replica.process.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {replica.process.returncode}:\n{replica.log()[-4000:]}"
+                )
+            with contextlib.suppress(httpx.TransportError):
+                if client.get(f"{replica.url}/health/ready").status_code == 200:
+                    return
+            time.sleep(0.1)
+    raise TimeoutError(f"server not ready after {timeout_s}s:\n{replica.log()[-4000:]}")
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the benchmark dies, even by SIGKILL (Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def launch_replica(flags: list[str], *, log_dir: Path | None = None) -> Replica:
+    """Start a replica with ``flags`` on a free loopback port; it is not ready yet."""
+    port = free_port()
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="batchfit-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"server-{port}.log"
+    command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
+               "--port", str(port), "--log-level", "warning", *flags]  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT if (ROOT / "server").is_dir() else None,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+    return Replica(f"http://127.0.0.1:{port}", process, log_path)
+
+
+def stop_replica(replica: Replica) -> None:
+    process = replica.process
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+@contextlib.contextmanager
+def start_replicas(
+    flag_lists: list[list[str]], *, log_dir: Path | None = None, ready_timeout_s: float = 180
+) -> Iterator[list[Replica]]:
+    """Replicas started together (their start-ups overlap) and stopped with SIGTERM on exit."""
+    replicas: list[Replica] = []
+    try:
+        for flags in flag_lists:
+            replicas.append(launch_replica(flags, log_dir=log_dir))
+        for replica in replicas:
+            wait_ready(replica, ready_timeout_s)
+        yield replicas
+    finally:
+        for replica in replicas:
+            stop_replica(replica)
+
+
+@contextlib.contextmanager
+def start_replica(
+    flags: list[str], *, log_dir: Path | None = None, ready_timeout_s: float = 180
+) -> Iterator[Replica]:
+    with start_replicas([flags], log_dir=log_dir, ready_timeout_s=ready_timeout_s) as replicas:
+        yield replicas[0]

@@ -1,0 +1,45 @@
+"""`batchfit bench --quick` end to end: real replicas, the real model, a real report."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.servers import ROOT
+
+pytestmark = pytest.mark.integration
+
+
+def test_quick_bench_writes_the_report(tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run(
+        [sys.executable, "-m", "server", "bench", "--quick", "--rates", "8", "--duration-s", "2",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=270,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    figures = json.loads((out / "results.json").read_text())
+    assert figures["limit"]["inputs_per_s"] > 0
+    assert figures["limit"]["batch1_p50_s"] > 0
+    rows = {(s["config"], s["load"]): s for s in figures["summaries"]}
+    loads = ("c=1", "c=8", "r=8/s")
+    assert set(rows) == {(c, load) for c in ("off", "adaptive") for load in loads}
+    for (_, load), row in rows.items():
+        assert row["errors"] == {}
+        # Closed loop sends every request; open loop whatever the seeded arrivals hold.
+        assert row["num_requests"] == 24 if load.startswith("c=") else row["num_requests"] > 0
+        assert row["inputs_per_s"] > 0 and row["p99_s"] >= row["p50_s"] > 0
+        assert row["peak_rss_bytes"] > 100 * 2**20
+    # Batching off means one item per forward pass, read from the server's own metrics.
+    assert rows[("off", "c=8")]["mean_batch_size"] == 1.0
+    assert rows[("adaptive", "c=8")]["mean_batch_size"] > 1.0
+    assert {t["name"] for t in figures["targets"]} >= {
+        "saturation throughput vs in-process limit", "one-client p50 vs batch-1 latency + 2 ms",
+    }  # fmt: skip
+    report = (out / "report.md").read_text()
+    assert "| limit | in-process, ideal batches |" in report
+    assert "| adaptive | c=8 |" in report
+    for png in ("throughput_vs_p99.png", "timeline.png"):
+        assert (out / png).read_bytes().startswith(b"\x89PNG")
+    assert "saturation throughput vs in-process limit" in done.stdout

@@ -1,0 +1,144 @@
+"""The benchmark's figures and report writer, over a hand-made result."""
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from bench.limit import LimitResult, ideal_batches
+from bench.loadgen import Outcome
+from bench.report import load_table, render_markdown, write_report
+from bench.runner import BenchOptions, BenchResult, targets
+from bench.sampler import Sample, batch_size_series
+from bench.stats import batching_figures, parse_scrape, percentile, summarize
+
+LIMIT = LimitResult(
+    num_inputs=100, num_batches=4, compute_s=0.5, inputs_per_s=200.0, mean_batch_size=25.0,
+    padding_ratio=1.1, batch1_p50_s=0.004, tokenize_s=0.01,
+)  # fmt: skip
+
+
+def outcomes(latencies_ms, status=200, inputs=2):
+    return [Outcome(i * 0.01, ms / 1e3, status, inputs) for i, ms in enumerate(latencies_ms)]
+
+
+@pytest.mark.parametrize(
+    ("q", "expected"), [(0, 1), (50, 50), (90, 90), (99, 99), (100, 100)]
+)  # fmt: skip
+def test_percentile_is_nearest_rank(q, expected):
+    assert percentile(list(range(100, 0, -1)), q) == expected
+
+
+def test_percentile_of_nothing_is_nan():
+    assert math.isnan(percentile([], 50))
+
+
+def test_summary_counts_successes_and_errors_by_status():
+    runs = outcomes([10] * 8) + outcomes([1, 2], status=429) + outcomes([30000], status=0)
+    s = summarize("adaptive", "c=4", runs, wall_s=2.0)
+    assert (s.num_requests, s.num_inputs) == (8, 16)
+    assert (s.requests_per_s, s.inputs_per_s) == (4.0, 8.0)
+    assert s.p50_s == s.p99_s == pytest.approx(0.010)
+    assert s.errors == {"0": 1, "429": 2}
+
+
+def test_batching_figures_from_two_scrapes():
+    before = parse_scrape(
+        "batchfit_batch_size_sum 10\nbatchfit_batch_size_count 5\n"
+        "batchfit_batch_real_tokens_total 100\nbatchfit_batch_padded_tokens_total 120\n"
+    )
+    after = {
+        "batchfit_batch_size_sum": 50.0, "batchfit_batch_size_count": 10.0,
+        "batchfit_batch_real_tokens_total": 300.0, "batchfit_batch_padded_tokens_total": 420.0,
+    }  # fmt: skip
+    assert before["batchfit_batch_size_count"] == 5
+    assert batching_figures(before, after) == (8.0, 1.5)
+    assert all(math.isnan(x) for x in batching_figures(after, after))
+
+
+def test_batch_size_series_uses_deltas_between_scrapes():
+    samples = [Sample(0.0, 1, 0, 0), Sample(1.0, 2, 40, 5), Sample(2.0, 3, 40, 5),
+               Sample(3.0, 4, 70, 8), Sample(3.5, 5)]  # fmt: skip
+    assert batch_size_series(samples) == [(1.0, 8.0), (3.0, 10.0)]
+
+
+@pytest.mark.parametrize(
+    ("costs", "max_items", "max_tokens", "expected"),
+    [
+        ([5, 1, 3, 2], 2, 100, [[1, 3], [2, 0]]),
+        ([10, 10, 10, 30], 8, 40, [[0, 1, 2], [3]]),
+        ([50, 1], 4, 20, [[1], [0]]),  # an item over budget runs alone
+    ],
+)
+def test_ideal_batches_are_sorted_and_as_big_as_the_budget_allows(
+    costs, max_items, max_tokens, expected
+):
+    assert ideal_batches(costs, max_items, max_tokens) == expected
+
+
+def make_result():
+    result = BenchResult(options=BenchOptions(concurrency=(1, 16)), limit=LIMIT)
+    result.summaries = [
+        summarize("off", "c=1", outcomes([10] * 10), 1.0),
+        summarize("off", "c=16", outcomes([100] * 20), 1.0),
+        summarize("adaptive", "c=1", outcomes([9] * 10), 1.0),
+        summarize("adaptive", "c=16", outcomes([50] * 90 + [400], status=200), 1.0),
+    ]
+    result.idle = {"adaptive": summarize("adaptive", "idle c=1", outcomes([5] * 10), 1.0)}
+    result.timeline_config, result.timeline_load = "adaptive", "c=16"
+    result.timeline = [Sample(0.0, 300 * 2**20, 0, 0), Sample(0.5, 320 * 2**20, 40, 4)]
+    return result
+
+
+def test_targets_are_ratios_against_the_limit_and_batching_off():
+    by_name = {t.name: t for t in targets(make_result())}
+    saturation = by_name["saturation throughput vs in-process limit"]
+    assert saturation.ratio == pytest.approx(182 / 200) and saturation.met
+    idle = by_name["one-client p50 vs batch-1 latency + 2 ms"]
+    assert idle.ratio == pytest.approx(5 / 6) and idle.met
+    on_off = by_name["batching on vs off at saturation (throughput)"]
+    assert on_off.ratio == pytest.approx(182 / 40) and on_off.met
+    p99 = by_name["p99 on vs off at the highest load"]
+    assert p99.ratio == pytest.approx(400 / 100) and p99.met is False
+
+
+def test_markdown_has_the_table_and_targets():
+    text = render_markdown(make_result(), command="batchfit bench --quick", plots=True)
+    assert "batchfit bench --quick" in text
+    assert "| limit | in-process, ideal batches | 200.0 |" in text
+    assert "| adaptive | c=16 | 182.0 | 91.0 | 50.0 | 50.0 | 400.0 | 400.0 | 0 |" in text
+    assert (
+        "| p99 on vs off at the highest load | 400.0 vs 100.0 ms (c=16) | <= 1.00 | 4.00 |" in text
+    )
+    assert "![throughput vs p99](throughput_vs_p99.png)" in text
+    assert load_table(make_result()).count("\n") == 2 + 4
+
+
+def test_write_report_writes_markdown_json_and_pngs(tmp_path):
+    paths = write_report(make_result(), tmp_path / "out", command="batchfit bench")
+    names = sorted(p.name for p in paths)
+    assert names == ["report.md", "results.json", "throughput_vs_p99.png", "timeline.png"]
+    for png in ("throughput_vs_p99.png", "timeline.png"):
+        data = (tmp_path / "out" / png).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000
+    figures = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert figures["limit"]["inputs_per_s"] == 200.0
+    assert len(figures["summaries"]) == 4 and len(figures["targets"]) == 4
+
+
+def test_summary_reads_queue_wait_and_cpu_per_input():
+    before = {"batchfit_queue_wait_seconds_sum": 1.0, "batchfit_queue_wait_seconds_count": 10}
+    after = {"batchfit_queue_wait_seconds_sum": 1.5, "batchfit_queue_wait_seconds_count": 110}
+    s = summarize("adaptive", "c=1", outcomes([10] * 5), 1.0, metrics_before=before,
+                  metrics_after=after, cpu_s=0.2)  # fmt: skip
+    assert s.mean_queue_wait_s == pytest.approx(0.005)
+    assert s.cpu_ms_per_input == pytest.approx(20.0)
+
+
+def test_cpu_time_target_when_both_sides_were_measured():
+    result = make_result()
+    result.limit = replace(LIMIT, cpu_ms_per_input=9.0)
+    result.summaries[-1] = replace(result.summaries[-1], cpu_ms_per_input=10.0)
+    cpu = {t.name: t for t in targets(result)}["CPU time per input, limit vs server at saturation"]
+    assert cpu.ratio == pytest.approx(0.9) and cpu.met
