@@ -144,10 +144,17 @@ class Nginx:
     def access_log_path(self) -> Path:
         return self.prefix / "logs" / "access.log"
 
-    def access_entries(self) -> list[dict]:
+    def access_entries(self, expect: int = 1, timeout_s: float = 10) -> list[dict]:
+        """The access log's lines, once at least ``expect`` are written (Nginx logs a request
+        after it has answered it)."""
         import json
 
-        return [json.loads(line) for line in self.access_log_path.read_text().splitlines()]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lines = self.access_log_path.read_text().splitlines()
+            if len(lines) >= expect or time.monotonic() > deadline:
+                return [json.loads(line) for line in lines]
+            time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -76,14 +76,21 @@ async def load_run(
     return run
 
 
-def access_log(path: Path, prefix: str) -> dict[str, dict]:
-    """Nginx's JSON access log lines of one load run, by request id."""
-    entries = {}
-    for line in path.read_text().splitlines():
-        entry = json.loads(line)
-        if entry["request_id"].startswith(prefix + "-"):
-            entries[entry["request_id"]] = entry
-    return entries
+def access_log(
+    path: Path, prefix: str, *, expect: int = 1, timeout_s: float = 10
+) -> dict[str, dict]:
+    """Nginx's JSON access log lines of one load run, by request id. Nginx writes a line
+    after it has sent the response, so this polls until ``expect`` lines are there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        entries = {}
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if entry["request_id"].startswith(prefix + "-"):
+                entries[entry["request_id"]] = entry
+        if len(entries) >= expect or time.monotonic() > deadline:
+            return entries
+        time.sleep(0.05)
 
 
 def served_by(entry: dict) -> str:

@@ -160,8 +160,10 @@ def test_limits_errors_and_routes(nginx_conf):
             r'\{"error":"[^"]+","error_type":"[a-z_]+","request_id":"\$batchfit_request_id"\}\\n',
             body,
         ), body
-    routed = re.findall(r"location (= )?(\S+) \{\s*proxy_pass", nginx_conf)
-    assert [path for _, path in routed] == ["/v1/infer", "/v1/models"]
+    routed = re.findall(r"location (= |\^~ )?(\S+) \{\s*proxy_pass", nginx_conf)
+    assert [path for _, path in routed] == [
+        "/v1/infer", "/v1/models", "/v1/embeddings", "/v2/models/"
+    ]  # fmt: skip
     assert "/metrics" not in uncommented(nginx_conf)
     assert "/health" not in uncommented(nginx_conf)
 

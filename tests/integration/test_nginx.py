@@ -49,7 +49,7 @@ def test_balancing_every_replica_serves_a_share(cluster):
         load_run(cluster.url, requests=LOAD_REQUESTS, clients=LOAD_CLIENTS, prefix="balance")
     )
     assert run.failures == []
-    entries = access_log(cluster.access_log_path, "balance")
+    entries = access_log(cluster.access_log_path, "balance", expect=LOAD_REQUESTS)
     assert len(entries) == LOAD_REQUESTS
     share = shares(entries)
     figures = {name: share[cluster.address(name)] for name in cluster.replicas}
@@ -191,7 +191,7 @@ def test_a_replica_answering_503_is_retried_on_another(cluster, tmp_path):
                 httpx.post(f"{nginx.url}/v1/infer", json={"inputs": "hi"}, timeout=30)
                 for _ in range(6)
             ]
-            entries = nginx.access_entries()
+            entries = nginx.access_entries(expect=6)
     finally:
         draining.close()
     assert [a.status_code for a in answers] == [200] * 6
