@@ -76,12 +76,18 @@ class Batcher:
         metrics.queue_capacity.set(queue.max_items)
 
     async def run(self) -> None:
-        """Step forever; on exit, whatever is queued or running fails with ``ShuttingDown``."""
+        """Step forever. When stopped, whatever is queued or running fails with
+        ``ShuttingDown``; when the loop itself crashes, with ``InferenceFailed`` (then re-raised:
+        the owner decides what a dead batcher means)."""
+        error: Exception = ShuttingDown("the server stopped before this input ran")
         try:
             while True:
                 await self.step()
+        except Exception:
+            self.healthy = False
+            error = InferenceFailed("the batcher failed; this replica is stopping")
+            raise
         finally:
-            error = ShuttingDown("the server stopped before this input ran")
             for pending in self._in_flight:
                 _fail(pending, error)
             self.fail_waiting(error)
@@ -94,13 +100,14 @@ class Batcher:
         self.metrics.budget_tokens.set(budget.max_tokens)
         await self._fill(budget.max_items, budget.max_tokens)
 
-        waiting = self._drop_expired(self.queue.waiting(self.config.plan_window))
+        now = self.clock.now()
+        waiting = self._drop_expired(self.queue.waiting(self.config.plan_window, now=now))
         if not waiting:
             self._update_depth()
             return 0
-        priorities = [p.priority for p in waiting]
+        priorities = [self.queue.effective_priority(p, now) for p in waiting]
         plan = plan_batch(
-            [p.cost for p in waiting], budget, priorities if any(priorities) else None
+            [p.cost for p in waiting], budget, priorities if len(set(priorities)) > 1 else None
         )
         batch = [waiting[i] for i in plan.indices]
         self.queue.remove(batch)

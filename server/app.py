@@ -14,6 +14,7 @@ from starlette.responses import Response
 from batching import Clock, Sizer
 from models import Model
 
+from .auth import ApiKeyMiddleware
 from .errors import install_error_handlers
 from .middleware import RequestContextMiddleware
 from .routes import metrics_response, router
@@ -61,6 +62,10 @@ def create_app(
     )
     app.state.runtime = runtime
     app.state.registry = registry
+    api_keys = settings.api_keys()
+    if api_keys:
+        # Added first, so it runs inside the request-id and metrics middleware.
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
     app.add_middleware(
         RequestContextMiddleware, max_body_bytes=settings.max_body_bytes, metrics=runtime.metrics
     )

@@ -13,6 +13,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from .app import create_app
+from .drain import DrainingServer
 from .settings import Settings
 
 
@@ -69,15 +70,13 @@ def serve(settings: Settings) -> int:
         timeout_keep_alive=75,
         lifespan="on",
     )
-    server = uvicorn.Server(config)
-
-    def on_fatal() -> None:
-        server.should_exit = True
-
-    app = create_app(settings, on_fatal=on_fatal)
+    app = create_app(settings, on_fatal=lambda: setattr(server, "should_exit", True))
+    runtime = app.state.runtime
+    server = DrainingServer(config, drain=lambda: runtime.drain(settings.drain_timeout_s))
     config.app = app
     server.run()
-    return 1 if app.state.runtime.startup_error is not None else 0
+    failed = runtime.startup_error is not None or runtime.batcher_error is not None
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

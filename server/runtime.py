@@ -25,9 +25,10 @@ from batching import (
 )
 from models import DeviceError, Model, ModelOutOfMemory, load_model
 
-from .errors import ApiError, not_ready
+from .errors import ApiError, draining, not_ready
 from .metrics import ServerMetrics
 from .settings import Settings
+from .tracking import WorkTracker
 
 log = logging.getLogger("batchfit")
 
@@ -59,7 +60,12 @@ class Runtime:
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
         )
-        self.queue = RequestQueue(settings.max_queue_items)
+        self.queue = RequestQueue(
+            settings.max_queue_items, priority_aging_s=settings.priority_aging_s
+        )
+        self.work = WorkTracker(registry)
+        self.draining = False
+        self.batcher_error: BaseException | None = None
         self.model_thread = ModelThread()
         self.batcher: Batcher | None = None
         self.startup_error: BaseException | None = None
@@ -71,6 +77,7 @@ class Runtime:
     def ready(self) -> bool:
         return (
             self._started
+            and not self.draining
             and self.batcher is not None
             and self.batcher.healthy
             and self._task is not None
@@ -79,6 +86,7 @@ class Runtime:
 
     async def start(self) -> None:
         """Load the model, warm it up, start the batcher; on failure, report it as fatal."""
+        self.work.attach()
         try:
             await self._start()
         except Exception as exc:
@@ -135,9 +143,40 @@ class Runtime:
         )  # fmt: skip
 
     def _batcher_done(self, task: asyncio.Task[None]) -> None:
+        """The batcher only ends on its own by crashing. Policy: its requests got 500, the
+        replica turns not ready and the process exits non-zero (``on_fatal``) so that the
+        supervisor restarts it; a loop that failed once may fail again, so no in-place retry."""
         self.metrics.ready.set(0)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("the batcher stopped", exc_info=task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        self.batcher_error = task.exception()
+        log.error("the batcher crashed; stopping the replica", exc_info=self.batcher_error)
+        if self._on_fatal is not None:
+            self._on_fatal()
+
+    def begin_drain(self) -> None:
+        """Refuse new work (503 ``draining``) and turn not ready; admitted work carries on."""
+        if self.draining:
+            return
+        self.draining = True
+        self.metrics.draining.set(1)
+        self.metrics.ready.set(0)
+        log.info(
+            "draining: %d requests with %d items in progress",
+            self.work.active_requests, self.work.open_items,
+        )  # fmt: skip
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Let admitted work finish for up to ``timeout_s``; then fail what is left with 503.
+        Returns whether everything finished in time."""
+        self.begin_drain()
+        if await self.work.wait_idle(timeout_s):
+            log.info("drained: every admitted request was answered")
+            return True
+        left = self.work.fail_open(ShuttingDown("the server stopped before this input ran"))
+        log.warning("drain timeout of %gs passed; %d items get 503", timeout_s, left)
+        await self.work.wait_idle(5.0)
+        return False
 
     async def stop(self) -> None:
         self.metrics.ready.set(0)
@@ -159,8 +198,20 @@ class Runtime:
         priority: int = 0,
     ) -> tuple[list[Any], int]:
         """Queue every input as one item and wait for all of them; return outputs and tokens."""
+        if self.draining:
+            raise draining()
         if not self.ready or self.model is None:
             raise not_ready()
+        with self.work.request():
+            return await self._infer(
+                inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
+                priority=priority,
+            )  # fmt: skip
+
+    async def _infer(
+        self, inputs: Sequence[str], *, truncate: bool, timeout_s: float, request_id: str,
+        priority: int,
+    ) -> tuple[list[Any], int]:  # fmt: skip
         if sum(len(text) for text in inputs) > INLINE_TOKENIZE_CHARS:
             items = await asyncio.to_thread(self.model.prepare, inputs, truncate=truncate)
         else:
@@ -181,6 +232,7 @@ class Runtime:
             for index, item in enumerate(items)
         ]
         self.queue.put_many(pendings)
+        self.work.track(pendings)
         self.batching_metrics.queue_depth.set(len(self.queue))
         try:
             async with asyncio.timeout(timeout_s):
@@ -189,8 +241,14 @@ class Runtime:
             raise ApiError(
                 504, "deadline_exceeded", f"no answer within the deadline of {timeout_s:g}s"
             ) from None
+        except asyncio.CancelledError:
+            # The client went away: its waiting items leave the queue now and never run.
+            self.batching_metrics.cancelled.labels("queued").inc(self.queue.discard(pendings))
+            raise
         finally:
             for pending in pendings:
                 if not pending.future.done():
                     pending.future.cancel()
+            self.queue.discard(pendings)
+            self.batching_metrics.queue_depth.set(len(self.queue))
         return outputs, sum(item.cost for item in items)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MIN_PRIORITY, MAX_PRIORITY = -10, 10
+
 
 class InferRequest(BaseModel):
-    # Unknown fields are refused (422) so that a typo such as "input" is not silently ignored.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are refused (422) so that a typo such as "input" is not silently ignored;
+    # strict types, so "1" is not a number and "yes" not a boolean.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     inputs: str | list[str] = Field(description="One text or a list of texts.")
     truncate: bool = Field(
@@ -19,7 +22,15 @@ class InferRequest(BaseModel):
         None,
         gt=0,
         allow_inf_nan=False,
-        description="Deadline in seconds from arrival; capped by the server's max_timeout_s.",
+        description="Deadline in seconds from arrival; capped by the server's max_timeout_s. "
+        "The X-Timeout-S header does the same; given both, the smaller wins.",
+    )
+    priority: int = Field(
+        0,
+        ge=MIN_PRIORITY,
+        le=MAX_PRIORITY,
+        description="Higher runs first; FIFO within a priority. A waiting item gains one level "
+        "every priority_aging_s seconds, so low priority is delayed, never starved.",
     )
 
 
@@ -50,6 +61,10 @@ class ModelCard(BaseModel):
 
 class ModelList(BaseModel):
     models: list[ModelCard]
+
+
+class Status(BaseModel):
+    status: str
 
 
 class ErrorBody(BaseModel):
