@@ -1,9 +1,11 @@
 """Bounded request queue ordered by priority, then arrival. Owned by the event loop.
 
 Starvation of low priority is bounded by aging: with ``priority_aging_s`` set, an item's
-effective priority rises by one for every ``priority_aging_s`` seconds it has waited, so an
-item ``d`` levels below a stream of newer work passes all of it after about
-``d * priority_aging_s`` seconds. FIFO within a priority holds (older items have aged more).
+effective priority is its priority plus one for every ``priority_aging_s`` seconds it has
+waited. Work that arrives more than ``d * priority_aging_s`` after an item ``d`` levels below
+it can never overtake that item, so however much high-priority work keeps coming, a low item
+waits at most for what arrived before it or within that window after it. FIFO within a
+priority holds (an older item has always aged at least as much).
 """
 
 from __future__ import annotations

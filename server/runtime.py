@@ -182,7 +182,8 @@ class Runtime:
         self.metrics.ready.set(0)
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # A crashed batcher's exception was logged when it ended.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         if self.batcher is not None:
             self.batcher.fail_waiting(ShuttingDown("the server stopped before this input ran"))

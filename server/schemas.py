@@ -30,7 +30,8 @@ class InferRequest(BaseModel):
         ge=MIN_PRIORITY,
         le=MAX_PRIORITY,
         description="Higher runs first; FIFO within a priority. A waiting item gains one level "
-        "every priority_aging_s seconds, so low priority is delayed, never starved.",
+        "every priority_aging_s seconds (server setting), so work arriving more than "
+        "d x priority_aging_s later never overtakes an item d levels below: no starvation.",
     )
 
 

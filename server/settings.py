@@ -64,9 +64,9 @@ class Settings(BaseSettings):
     priority_aging_s: float = Field(
         1.0,
         gt=0,
-        description="A waiting item's priority rises by one every this many seconds, so an "
-        "item d levels below a stream of newer work waits at most about d x this before it "
-        "goes first.",
+        description="A waiting item's priority rises by one every this many seconds: work "
+        "arriving more than d x this after an item d levels below it never overtakes it, so "
+        "low priority is delayed, never starved.",
     )
     drain_timeout_s: float = Field(
         30.0,
