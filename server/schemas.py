@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 MIN_PRIORITY, MAX_PRIORITY = -10, 10
+# What the route accepts, stricter than the Python type says: empty strings and an empty list
+# are refused by the route itself (400 empty_input), so the schema documents them as invalid.
+_TEXT = {"type": "string", "minLength": 1}
+INPUTS_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1}]}
 
 
 class InferRequest(BaseModel):
@@ -12,7 +18,9 @@ class InferRequest(BaseModel):
     # strict types, so "1" is not a number and "yes" not a boolean.
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    inputs: str | list[str] = Field(description="One text or a list of texts.")
+    inputs: Annotated[str | list[str], WithJsonSchema(INPUTS_SCHEMA)] = Field(
+        description="One text or a list of texts; no empty ones (400 empty_input)."
+    )
     truncate: bool = Field(
         True,
         description="Cut inputs to the model's maximum length; when false an over-long input "
