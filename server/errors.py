@@ -56,6 +56,8 @@ def to_api_error(exc: BaseException) -> ApiError:
         case InferenceFailed():
             return ApiError(500, "internal_error", str(exc))
         case _:
+            # Not one of ours: a bug. Its traceback goes to the log, never to the client.
+            log.error("unexpected error", exc_info=exc)
             return ApiError(500, "internal_error", "internal server error")
 
 
@@ -111,5 +113,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(request, to_api_error(exc))
+        return error_response(request, to_api_error(exc))  # logs what is not ours

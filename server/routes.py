@@ -134,6 +134,9 @@ async def infer(
             work.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await watcher
+    # NOTE: cancel() only asks; the work task must have ended before it is read (reading it
+    # too early raised InvalidStateError: a silent 500 for every disconnect).
+    await asyncio.wait({work})
     if work.cancelled():
         request.state.error_type = "client_disconnected"
         return Response(status_code=499)

@@ -41,6 +41,18 @@ def errors_logged(caplog):
     return [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def codes(live):
+    """Status codes the replica answered on /v1/infer, from its own request counter."""
+    found = {}
+    for metric in live.registry.collect():
+        for sample in metric.samples:
+            counted = sample.name == "batchfit_requests_total" and sample.value
+            if counted and sample.labels["endpoint"] == "/v1/infer":
+                code = sample.labels["code"]
+                found[code] = found.get(code, 0) + sample.value
+    return found
+
+
 def test_disconnect_while_queued_removes_the_items_before_compute(caplog):
     with gated(max_wait_ms=0) as (live, model, gate), ThreadPoolExecutor(2) as pool:
         blocker = pool.submit(post, live.url, {"inputs": "first"})
@@ -58,6 +70,7 @@ def test_disconnect_while_queued_removes_the_items_before_compute(caplog):
         assert live.sample("batchfit_open_items") == 0
     assert not any(text.startswith("abandoned") for text in model.seen)
     assert live.sample("batchfit_cancelled_items_total", {"stage": "running"}) == 0
+    assert codes(live) == {"200": 2, "499": 1}
     assert errors_logged(caplog) == []
 
 
@@ -78,6 +91,7 @@ def test_disconnect_while_running_drops_the_orphan_quietly(caplog):
     assert model.batch_sizes[-1] == 2
     assert "abandoned while running" in model.seen  # it ran; its result was dropped
     assert live.sample("batchfit_cancelled_items_total", {"stage": "queued"}) == 0
+    assert codes(live) == {"200": 1, "499": 1}
     assert errors_logged(caplog) == []
 
 
