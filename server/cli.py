@@ -68,11 +68,15 @@ def serve(settings: Settings) -> int:
         # Nginx keeps upstream connections alive for less than this, so it never reuses a
         # connection uvicorn is closing.
         timeout_keep_alive=75,
+        # After the drain only idle or stalled connections are left; do not wait forever.
+        timeout_graceful_shutdown=10,
         lifespan="on",
     )
     app = create_app(settings, on_fatal=lambda: setattr(server, "should_exit", True))
     runtime = app.state.runtime
-    server = DrainingServer(config, drain=lambda: runtime.drain(settings.drain_timeout_s))
+    server = DrainingServer(
+        config, drain=lambda: runtime.drain(settings.drain_timeout_s), abort=runtime.abort
+    )
     config.app = app
     server.run()
     failed = runtime.startup_error is not None or runtime.batcher_error is not None

@@ -65,6 +65,7 @@ class Runtime:
         )
         self.work = WorkTracker(registry)
         self.draining = False
+        self._aborted = False
         self.batcher_error: BaseException | None = None
         self.model_thread = ModelThread()
         self.batcher: Batcher | None = None
@@ -173,10 +174,16 @@ class Runtime:
         if await self.work.wait_idle(timeout_s):
             log.info("drained: every admitted request was answered")
             return True
-        left = self.work.fail_open(ShuttingDown("the server stopped before this input ran"))
-        log.warning("drain timeout of %gs passed; %d items get 503", timeout_s, left)
+        left = self.abort()
+        log.warning("drain timeout of %gs passed; %d items got 503", timeout_s, left)
         await self.work.wait_idle(5.0)
         return False
+
+    def abort(self) -> int:
+        """Answer every admitted item now with 503 (a running batch's results are dropped)."""
+        self.begin_drain()
+        self._aborted = True
+        return self.work.fail_open(ShuttingDown("the server stopped before this input ran"))
 
     async def stop(self) -> None:
         self.metrics.ready.set(0)
@@ -187,7 +194,10 @@ class Runtime:
                 await self._task
         if self.batcher is not None:
             self.batcher.fail_waiting(ShuttingDown("the server stopped before this input ran"))
-        await asyncio.to_thread(self.model_thread.close)
+        if self._aborted:
+            self.model_thread.close(wait=False)  # the forward in progress ends on its own
+        else:
+            await asyncio.to_thread(self.model_thread.close)
 
     async def infer(
         self,

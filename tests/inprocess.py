@@ -47,7 +47,9 @@ def serve_in_thread(model, **settings) -> Iterator[LiveServer]:
         app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="on"
     )
     runtime = app.state.runtime
-    server = DrainingServer(config, drain=lambda: runtime.drain(resolved.drain_timeout_s))
+    server = DrainingServer(
+        config, drain=lambda: runtime.drain(resolved.drain_timeout_s), abort=runtime.abort
+    )
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     live = LiveServer(f"http://127.0.0.1:{port}", port, server, thread, registry, app)

@@ -159,6 +159,21 @@ def test_drain_timeout_answers_leftovers_with_503(caplog):
     assert any("drain timeout" in r.getMessage() for r in caplog.records)
 
 
+def test_second_signal_answers_leftovers_and_stops_without_waiting(caplog):
+    with gated(drain_timeout_s=300) as (live, model, gate), ThreadPoolExecutor(1) as pool:
+        stuck = pool.submit(post, live.url, {"inputs": "stuck"})
+        assert model.entered.wait(TIMEOUT)
+        live.server.handle_exit(signal.SIGTERM, None)
+        live.wait_for(lambda: live.sample("batchfit_draining") == 1)
+        live.server.handle_exit(signal.SIGTERM, None)
+        live.thread.join(TIMEOUT)
+        assert not live.thread.is_alive()  # while the model is still stuck
+        response = stuck.result()
+        assert response.status_code == 503 and response.json()["error_type"] == "draining"
+        gate.set()
+    assert errors_logged(caplog) == []
+
+
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
 def test_over_limit_body_is_refused_before_it_is_all_sent(declared):
     limit = 64 * 1024
