@@ -197,3 +197,52 @@ def test_over_limit_body_is_refused_before_it_is_all_sent(declared):
         assert json.loads(body)["error_type"] == "payload_too_large"
         assert post(live.url, {"inputs": "still serving"}).status_code == 200
         assert len(model.batch_sizes) == 2  # warm-up and the last request only
+
+
+def test_overload_rejects_exactly_the_excess_fast_and_admitted_work_completes():
+    settings = {"max_batch_size": 2, "max_wait_ms": 1000, "max_queue_items": 4}
+    with gated(**settings) as (live, model, gate), ThreadPoolExecutor(6) as pool:
+        running = [pool.submit(post, live.url, {"inputs": f"running {i}"}) for i in range(2)]
+        assert model.entered.wait(TIMEOUT)  # a full batch of 2 is on the model thread
+        queued = [pool.submit(post, live.url, {"inputs": f"queued {i}"}) for i in range(4)]
+        live.wait_for(lambda: live.sample("batchfit_queue_depth") == 4)
+
+        k = 5
+        with httpx.Client(base_url=live.url, timeout=5) as client:
+            rejected = [client.post("/v1/infer", json={"inputs": f"excess {i}"})
+                        for i in range(k)]  # fmt: skip
+        for response in rejected:
+            assert response.status_code == 429
+            assert response.json()["error_type"] == "overloaded"
+            assert int(response.headers["retry-after"]) >= 1
+            assert response.elapsed.total_seconds() < 1.0
+        assert live.sample("batchfit_rejections_total", {"reason": "queue_full"}) == k
+
+        gate.set()
+        for future in running + queued:
+            assert future.result().status_code == 200
+    assert not any(text.startswith("excess") for text in model.seen)
+    assert sorted(model.seen[-6:]) == sorted([f"running {i}" for i in range(2)]
+                                             + [f"queued {i}" for i in range(4)])  # fmt: skip
+
+
+def test_expired_item_is_dropped_and_the_ones_behind_it_still_batch():
+    with (
+        gated(max_batch_size=4, max_wait_ms=0) as (live, model, gate),
+        ThreadPoolExecutor(4) as pool,
+    ):
+        blocker = pool.submit(post, live.url, {"inputs": "blocker"})
+        assert model.entered.wait(TIMEOUT)
+        late = pool.submit(post, live.url, {"inputs": "late"}, headers={"X-Timeout-S": "0.2"})
+        live.wait_for(lambda: live.sample("batchfit_queue_depth") == 1)
+        behind = [pool.submit(post, live.url, {"inputs": f"behind {i}"}) for i in range(2)]
+        response = late.result()
+        assert response.status_code == 504
+        assert response.json()["error_type"] == "deadline_exceeded"
+        live.wait_for(lambda: live.sample("batchfit_queue_depth") == 2)
+        gate.set()
+        assert blocker.result().status_code == 200
+        assert [f.result().json()["outputs"] for f in behind] == [["out:behind 0"],
+                                                                  ["out:behind 1"]]  # fmt: skip
+    assert "late" not in model.seen
+    assert model.batch_sizes[-1] == 2  # the two behind it ran together

@@ -154,3 +154,20 @@ def test_health_live_answers_while_the_model_is_busy(keyed_server):
         live = httpx.get(f"{url}/health/live", timeout=2)
         assert live.json() == {"status": "live"}
         assert busy.result().status_code == 200
+
+
+def test_log_and_errors_carry_no_input_text(keyed_server):
+    secret = "zebra-quartz-secret"
+    url = keyed_server.url
+    bodies = [
+        {"inputs": secret},
+        {"inputs": f"{secret} " * 400, "truncate": False},
+        {"inputs": [secret, 3]},
+        {"inputs": secret, "priority": secret},
+    ]
+    for body in bodies:
+        response = httpx.post(f"{url}/v1/infer", json=body, headers=AUTH, timeout=60)
+        assert response.status_code in (200, 413, 422), response.text
+        if response.status_code != 200:
+            assert secret not in response.text
+    assert secret not in keyed_server.log()
