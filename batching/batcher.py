@@ -43,8 +43,8 @@ class ModelThread:
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+    def close(self, *, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=True)
 
 
 class Batcher:
@@ -87,12 +87,18 @@ class Batcher:
         queue.on_drop = self._count_dropped
 
     async def run(self) -> None:
-        """Step forever; on exit, whatever is queued or running fails with ``ShuttingDown``."""
+        """Step forever. When stopped, whatever is queued or running fails with
+        ``ShuttingDown``; when the loop itself crashes, with ``InferenceFailed`` (then re-raised:
+        the owner decides what a dead batcher means)."""
+        error: Exception = ShuttingDown("the server stopped before this input ran")
         try:
             while True:
                 await self.step()
+        except Exception:
+            self.healthy = False
+            error = InferenceFailed("the batcher failed; this replica is stopping")
+            raise
         finally:
-            error = ShuttingDown("the server stopped before this input ran")
             for pending in self._in_flight:
                 _fail(pending, error)
             self.fail_waiting(error)
@@ -108,15 +114,16 @@ class Batcher:
             self._memory_metrics.budget_bytes.set(budget.max_bytes)
         await self._fill(budget.max_items, budget.max_tokens)
 
-        waiting = self._drop_expired(self.queue.waiting(self.config.plan_window))
+        now = self.clock.now()
+        waiting = self._drop_expired(self.queue.waiting(self.config.plan_window, now=now))
         if not waiting:
             self._update_depth()
             return 0
-        priorities = [p.priority for p in waiting]
+        priorities = [self.queue.effective_priority(p, now) for p in waiting]
         plan = plan_batch(
             [p.cost for p in waiting],
             budget,
-            priorities if any(priorities) else None,
+            priorities if len(set(priorities)) > 1 else None,
             max_length_ratio=self.config.max_length_ratio,
         )
         batch = [waiting[i] for i in plan.indices]

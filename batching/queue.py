@@ -1,4 +1,12 @@
-"""Bounded request queue ordered by priority, then arrival. Owned by the event loop."""
+"""Bounded request queue ordered by priority, then arrival. Owned by the event loop.
+
+Starvation of low priority is bounded by aging: with ``priority_aging_s`` set, an item's
+effective priority is its priority plus one for every ``priority_aging_s`` seconds it has
+waited. Work that arrives more than ``d * priority_aging_s`` after an item ``d`` levels below
+it can never overtake that item, so however much high-priority work keeps coming, a low item
+waits at most for what arrived before it or within that window after it. FIFO within a
+priority holds (an older item has always aged at least as much).
+"""
 
 from __future__ import annotations
 
@@ -40,9 +48,14 @@ class Pending:
 class RequestQueue:
     """Holds at most ``max_items`` live items; a full queue rejects a whole request at once."""
 
-    def __init__(self, max_items: int, *, retry_after_s: float = 1.0) -> None:
+    def __init__(
+        self, max_items: int, *, retry_after_s: float = 1.0, priority_aging_s: float | None = None
+    ) -> None:
         if max_items < 1:
             raise ValueError(f"max_items must be at least 1, got {max_items}")
+        if priority_aging_s is not None and not priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be positive, got {priority_aging_s}")
+        self.priority_aging_s = priority_aging_s
         self.max_items = max_items
         self.retry_after_s = retry_after_s
         self.changed = asyncio.Event()
@@ -73,10 +86,29 @@ class RequestQueue:
                 self.on_drop(dropped)
         return dropped
 
-    def waiting(self, limit: int | None = None) -> list[Pending]:
-        """Live entries, highest priority first, FIFO within a priority."""
+    def waiting(self, limit: int | None = None, *, now: float | None = None) -> list[Pending]:
+        """Live entries, highest priority first, FIFO within a priority.
+
+        Given ``now`` (and aging), the order is by effective priority at ``now``.
+        """
         self.purge()
-        return self._items[:limit] if limit is not None else list(self._items)
+        items = self._items
+        # Sorted by base priority, so the ends differ exactly when priorities are mixed.
+        mixed = bool(items) and items[0].priority != items[-1].priority
+        if now is not None and self.priority_aging_s and mixed:
+            items = sorted(items, key=lambda p: (-self.effective_priority(p, now), p.seq))
+        return items[:limit] if limit is not None else list(items)
+
+    def effective_priority(self, pending: Pending, now: float) -> int:
+        if not self.priority_aging_s:
+            return pending.priority
+        return pending.priority + int(max(0.0, now - pending.arrival_s) / self.priority_aging_s)
+
+    def discard(self, pendings: Iterable[Pending]) -> int:
+        """Remove those of ``pendings`` still waiting; return how many were."""
+        before = len(self._items)
+        self.remove(pendings)
+        return before - len(self._items)
 
     def remove(self, pendings: Iterable[Pending]) -> None:
         taken = {id(p) for p in pendings}

@@ -16,6 +16,7 @@ from models import Model
 
 from . import kserve_v2, openai_api
 from .admin import make_admin_router
+from .auth import ApiKeyMiddleware
 from .errors import install_error_handlers
 from .metrics_server import serve_metrics
 from .middleware import RequestContextMiddleware
@@ -75,6 +76,10 @@ def create_app(
     )
     app.state.runtime = runtime
     app.state.registry = registry
+    api_keys = settings.api_keys()
+    if api_keys:
+        # Added first, so it runs inside the request-id and metrics middleware.
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
     app.add_middleware(
         RequestContextMiddleware, max_body_bytes=settings.max_body_bytes, metrics=runtime.metrics
     )

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings
 from bench.cli import add_bench_flags, bench
 
 from .app import create_app
+from .drain import DrainingServer
 from .launcher import REPLICA_ADDRESS_FIELDS, up
 from .nginx import UVICORN_KEEP_ALIVE_S
 from .plan import memory_plan
@@ -80,17 +81,19 @@ def serve(settings: Settings) -> int:
         # Nginx keeps upstream connections alive for less than this, so it never reuses a
         # connection uvicorn is closing.
         timeout_keep_alive=UVICORN_KEEP_ALIVE_S,
+        # After the drain only idle or stalled connections are left; do not wait forever.
+        timeout_graceful_shutdown=10,
         lifespan="on",
     )
-    server = uvicorn.Server(config)
-
-    def on_fatal() -> None:
-        server.should_exit = True
-
-    app = create_app(settings, on_fatal=on_fatal)
+    app = create_app(settings, on_fatal=lambda: setattr(server, "should_exit", True))
+    runtime = app.state.runtime
+    server = DrainingServer(
+        config, drain=lambda: runtime.drain(settings.drain_timeout_s), abort=runtime.abort
+    )
     config.app = app
     server.run()
-    return 1 if app.state.runtime.startup_error is not None else 0
+    failed = runtime.startup_error is not None or runtime.batcher_error is not None
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,6 +34,10 @@ def not_ready(message: str = "the model is not loaded and warmed up yet") -> Api
     return ApiError(503, "not_ready", message, retry_after_s=1)
 
 
+def draining(message: str = "this replica is shutting down; retry on another") -> ApiError:
+    return ApiError(503, "draining", message, retry_after_s=1)
+
+
 def to_api_error(exc: BaseException) -> ApiError:
     """The table from our domain errors to HTTP."""
     match exc:
@@ -52,6 +56,8 @@ def to_api_error(exc: BaseException) -> ApiError:
         case InferenceFailed():
             return ApiError(500, "internal_error", str(exc))
         case _:
+            # Not one of ours: a bug. Its traceback goes to the log, never to the client.
+            log.error("unexpected error", exc_info=exc)
             return ApiError(500, "internal_error", "internal server error")
 
 
@@ -96,11 +102,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        kinds = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+        kinds = {
+            400: "invalid_json",  # e.g. a body that is not UTF-8
+            404: "not_found",
+            405: "method_not_allowed",
+            413: "payload_too_large",
+        }
         error_type = kinds.get(exc.status_code, "http_error")
         return error_response(request, ApiError(exc.status_code, error_type, str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(request, to_api_error(exc))
+        return error_response(request, to_api_error(exc))  # logs what is not ours

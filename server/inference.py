@@ -33,6 +33,14 @@ def check_inputs(runtime: Runtime, inputs: Sequence[str], field: str = "inputs")
     empty = next((i for i, text in enumerate(inputs) if not text), None)
     if empty is not None:
         raise ApiError(400, "empty_input", f"input {empty} is an empty string")
+    for index, text in enumerate(inputs):
+        # JSON can carry lone surrogates ("\ud800"), which no tokenizer can encode.
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(
+                422, "invalid_request", f"input {index} is not valid Unicode (lone surrogate)"
+            ) from None
 
 
 async def infer_for_request(
@@ -42,6 +50,7 @@ async def infer_for_request(
     request_id: str,
     truncate: bool = True,
     timeout_s: float | None = None,
+    priority: int = 0,
 ) -> tuple[list[Any], int]:
     """Queue the inputs (same queue, batcher and model thread as ``/v1/infer``) and wait,
     dropping them if the client disconnects. Returns the outputs and the token count."""
@@ -49,17 +58,24 @@ async def infer_for_request(
     config = runtime.config
     timeout_s = min(timeout_s or config.default_timeout_s, config.max_timeout_s)
     work = asyncio.ensure_future(
-        runtime.infer(inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id)
-    )
+        runtime.infer(
+            inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
+            priority=priority,
+        )
+    )  # fmt: skip
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not work.done():
+            # The client went away: cancelling drops its queued items before compute.
             work.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await watcher
+    # NOTE: cancel() only asks; the work task must have ended before it is read (reading it
+    # too early raised InvalidStateError: a silent 500 for every disconnect).
+    await asyncio.wait({work})
     if work.cancelled():
         request.state.error_type = "client_disconnected"
         raise ClientDisconnected

@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
-from .errors import ApiError, error_response, not_ready, request_id_of, to_api_error
+from .errors import ApiError, draining, error_response, not_ready, request_id_of, to_api_error
+from .inference import ClientDisconnected, check_inputs, infer_for_request
 from .runtime import Runtime
-from .schemas import ErrorBody, InferRequest, InferResponse, ModelList
+from .schemas import ErrorBody, InferRequest, InferResponse, ModelList, Status
 
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody, "description": description}
-    for code, description in {
+RETRY_AFTER = {
+    "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}
+}
+
+
+def _error_responses(descriptions: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    return {
+        code: {"model": ErrorBody, "description": description}
+        | ({"headers": RETRY_AFTER} if code in (429, 503) else {})
+        for code, description in descriptions.items()
+    }
+
+
+ERROR_RESPONSES = _error_responses(
+    {
         400: "Unparsable body or empty input",
+        401: "Missing or wrong API key (when the server requires one)",
         413: "Body, input count or input length too large",
         415: "Body is not JSON",
         422: "Schema error",
@@ -27,8 +39,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         504: "Deadline passed",
         507: "An input does not fit in memory even alone",
         500: "Unexpected error",
-    }.items()
-}
+    }
+)
+NOT_READY_RESPONSES = _error_responses({503: "Not ready or draining; see Retry-After"})
 
 router = APIRouter()
 
@@ -45,9 +58,10 @@ def _json(body: Any, status_code: int = 200) -> Response:
     )
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def require_serving(request: Request) -> None:
+    """Refuse new work at once while draining, so Nginx retries it on another replica."""
+    if _runtime(request).draining:
+        raise draining()
 
 
 async def require_json(request: Request) -> None:
@@ -69,48 +83,35 @@ async def require_json(request: Request) -> None:
     "/v1/infer",
     response_model=InferResponse,
     responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_json)],
+    dependencies=[Depends(require_serving), Depends(require_json)],
 )
-async def infer(body: InferRequest, request: Request) -> Response:
+async def infer(
+    body: InferRequest,
+    request: Request,
+    x_timeout_s: Annotated[
+        float | None,
+        Header(
+            alias="X-Timeout-S", gt=0, allow_inf_nan=False,
+            description="Deadline in seconds, as timeout_s in the body; the smaller wins.",
+        ),
+    ] = None,
+) -> Response:  # fmt: skip
     runtime = _runtime(request)
     config = runtime.config
     request_id = request_id_of(request)
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    if not inputs:
-        raise ApiError(400, "empty_input", "inputs is empty")
-    if len(inputs) > config.max_inputs_per_request:
-        raise ApiError(
-            413,
-            "too_many_inputs",
-            f"{len(inputs)} inputs, more than the limit of {config.max_inputs_per_request}",
-        )
-    empty = next((i for i, text in enumerate(inputs) if not text), None)
-    if empty is not None:
-        raise ApiError(400, "empty_input", f"input {empty} is an empty string")
-    timeout_s = min(body.timeout_s or config.default_timeout_s, config.max_timeout_s)
-
-    work = asyncio.ensure_future(
-        runtime.infer(inputs, truncate=body.truncate, timeout_s=timeout_s, request_id=request_id)
-    )
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    check_inputs(runtime, inputs)
+    asked = [t for t in (body.timeout_s, x_timeout_s) if t is not None]
+    timeout_s = min(asked, default=config.default_timeout_s)
     try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            # The client went away: cancelling drops its queued items before compute.
-            work.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await watcher
-    if work.cancelled():
-        request.state.error_type = "client_disconnected"
+        outputs, num_tokens = await infer_for_request(
+            request, inputs, request_id=request_id, truncate=body.truncate,
+            timeout_s=timeout_s, priority=body.priority,
+        )  # fmt: skip
+    except ClientDisconnected:
         return Response(status_code=499)
-    try:
-        outputs, num_tokens = work.result()
     except Exception as exc:
         return error_response(request, to_api_error(exc))
-    runtime.metrics.inputs.inc(len(outputs))
-    runtime.metrics.input_tokens.inc(num_tokens)
     return _json(
         {
             "model": runtime.model.info.name if runtime.model else "",
@@ -121,7 +122,7 @@ async def infer(body: InferRequest, request: Request) -> Response:
     )
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=NOT_READY_RESPONSES)
 async def list_models(request: Request) -> Response:
     runtime = _runtime(request)
     if runtime.model is None:
@@ -138,14 +139,17 @@ async def list_models(request: Request) -> Response:
     return _json({"models": [card]})
 
 
-@router.get("/health/live")
+@router.get("/health/live", response_model=Status)
 async def live() -> Response:
+    """Answers whenever the event loop runs: never queued behind inference."""
     return _json({"status": "live"})
 
 
-@router.get("/health/ready")
+@router.get("/health/ready", response_model=Status, responses=NOT_READY_RESPONSES)
 async def ready(request: Request) -> Response:
     runtime = _runtime(request)
+    if runtime.draining:
+        return error_response(request, draining())
     if not runtime.ready:
         return error_response(request, not_ready())
     return _json({"status": "ready"})

@@ -36,9 +36,10 @@ from batching import (
 )
 from models import BatchProfiler, DeviceError, Model, ModelInfo, ModelOutOfMemory, load_model
 
-from .errors import ApiError, not_ready
+from .errors import ApiError, draining, not_ready
 from .metrics import ServerMetrics
 from .settings import Settings
+from .tracking import WorkTracker
 
 log = logging.getLogger("batchfit")
 
@@ -75,7 +76,13 @@ class Runtime:
             max_batch_tokens=settings.max_batch_tokens,
             max_latency_s=settings.max_timeout_s,
         )
-        self.queue = RequestQueue(settings.max_queue_items)
+        self.queue = RequestQueue(
+            settings.max_queue_items, priority_aging_s=settings.priority_aging_s
+        )
+        self.work = WorkTracker(registry)
+        self.draining = False
+        self._aborted = False
+        self.batcher_error: BaseException | None = None
         self.model_thread = ModelThread()
         # Tokenizes large requests off the event loop; one thread, started before any
         # memory limit applies (a capped address space may have no room for a new stack).
@@ -92,6 +99,7 @@ class Runtime:
     def ready(self) -> bool:
         return (
             self._started
+            and not self.draining
             and self.batcher is not None
             and self.batcher.healthy
             and self._task is not None
@@ -100,6 +108,7 @@ class Runtime:
 
     async def start(self) -> None:
         """Load the model, warm it up, start the batcher; on failure, report it as fatal."""
+        self.work.attach()
         try:
             await self._start()
         except Exception as exc:
@@ -223,22 +232,64 @@ class Runtime:
             )  # fmt: skip
 
     def _batcher_done(self, task: asyncio.Task[None]) -> None:
+        """The batcher only ends on its own by crashing. Policy: its requests got 500, the
+        replica turns not ready and the process exits non-zero (``on_fatal``) so that the
+        supervisor restarts it; a loop that failed once may fail again, so no in-place retry."""
         self.metrics.ready.set(0)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("the batcher stopped", exc_info=task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        self.batcher_error = task.exception()
+        log.error("the batcher crashed; stopping the replica", exc_info=self.batcher_error)
+        if self._on_fatal is not None:
+            self._on_fatal()
+
+    def begin_drain(self) -> None:
+        """Refuse new work (503 ``draining``) and turn not ready; admitted work carries on."""
+        if self.draining:
+            return
+        self.draining = True
+        self.metrics.draining.set(1)
+        self.metrics.ready.set(0)
+        log.info(
+            "draining: %d requests with %d items in progress",
+            self.work.active_requests, self.work.open_items,
+        )  # fmt: skip
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Let admitted work finish for up to ``timeout_s``; then fail what is left with 503.
+        Returns whether everything finished in time."""
+        self.begin_drain()
+        if await self.work.wait_idle(timeout_s):
+            log.info("drained: every admitted request was answered")
+            return True
+        left = self.abort()
+        log.warning("drain timeout of %gs passed; %d items got 503", timeout_s, left)
+        await self.work.wait_idle(5.0)
+        return False
+
+    def abort(self) -> int:
+        """Answer every admitted item now with 503 (a running batch's results are dropped)."""
+        self.begin_drain()
+        self._aborted = True
+        return self.work.fail_open(ShuttingDown("the server stopped before this input ran"))
 
     async def stop(self) -> None:
         self.metrics.ready.set(0)
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # A crashed batcher's exception was logged when it ended.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         if self.batcher is not None:
             self.batcher.fail_waiting(ShuttingDown("the server stopped before this input ran"))
-        # Waits for a running forward pass on an existing thread (no new one under a limit).
-        await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_thread, self.model_thread.close
-        )
+        if self._aborted:
+            self.model_thread.close(wait=False)  # the forward in progress ends on its own
+        else:
+            # Waits for a running forward pass on an existing thread (no new one under a
+            # memory limit).
+            await asyncio.get_running_loop().run_in_executor(
+                self.tokenizer_thread, self.model_thread.close
+            )
         self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     async def infer(
@@ -251,8 +302,20 @@ class Runtime:
         priority: int = 0,
     ) -> tuple[list[Any], int]:
         """Queue every input as one item and wait for all of them; return outputs and tokens."""
+        if self.draining:
+            raise draining()
         if not self.ready or self.model is None:
             raise not_ready()
+        with self.work.request():
+            return await self._infer(
+                inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
+                priority=priority,
+            )  # fmt: skip
+
+    async def _infer(
+        self, inputs: Sequence[str], *, truncate: bool, timeout_s: float, request_id: str,
+        priority: int,
+    ) -> tuple[list[Any], int]:  # fmt: skip
         loop = asyncio.get_running_loop()
         if sum(len(text) for text in inputs) > INLINE_TOKENIZE_CHARS:
             prepare = functools.partial(self.model.prepare, inputs, truncate=truncate)
@@ -274,6 +337,7 @@ class Runtime:
             for index, item in enumerate(items)
         ]
         self.queue.put_many(pendings)
+        self.work.track(pendings)
         self.batching_metrics.queue_depth.set(len(self.queue))
         try:
             async with asyncio.timeout(timeout_s):
@@ -282,10 +346,16 @@ class Runtime:
             raise ApiError(
                 504, "deadline_exceeded", f"no answer within the deadline of {timeout_s:g}s"
             ) from None
+        except asyncio.CancelledError:
+            # The client went away: its waiting items leave the queue now and never run.
+            self.batching_metrics.cancelled.labels("queued").inc(self.queue.discard(pendings))
+            raise
         finally:
             for pending in pendings:
                 if not pending.future.done():
                     pending.future.cancel()
+            self.queue.discard(pendings)
+            self.batching_metrics.queue_depth.set(len(self.queue))
         return outputs, sum(item.cost for item in items)
 
 

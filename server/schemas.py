@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+MIN_PRIORITY, MAX_PRIORITY = -10, 10
+# What the route accepts, stricter than the Python type says: empty strings and an empty list
+# are refused by the route itself (400 empty_input), so the schema documents them as invalid.
+_TEXT = {"type": "string", "minLength": 1}
+INPUTS_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1}]}
 
 
 class InferRequest(BaseModel):
-    # Unknown fields are refused (422) so that a typo such as "input" is not silently ignored.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are refused (422) so that a typo such as "input" is not silently ignored;
+    # strict types, so "1" is not a number and "yes" not a boolean.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    inputs: str | list[str] = Field(description="One text or a list of texts.")
+    inputs: Annotated[str | list[str], WithJsonSchema(INPUTS_SCHEMA)] = Field(
+        description="One text or a list of texts; no empty ones (400 empty_input)."
+    )
     truncate: bool = Field(
         True,
         description="Cut inputs to the model's maximum length; when false an over-long input "
@@ -19,7 +30,16 @@ class InferRequest(BaseModel):
         None,
         gt=0,
         allow_inf_nan=False,
-        description="Deadline in seconds from arrival; capped by the server's max_timeout_s.",
+        description="Deadline in seconds from arrival; capped by the server's max_timeout_s. "
+        "The X-Timeout-S header does the same; given both, the smaller wins.",
+    )
+    priority: int = Field(
+        0,
+        ge=MIN_PRIORITY,
+        le=MAX_PRIORITY,
+        description="Higher runs first; FIFO within a priority. A waiting item gains one level "
+        "every priority_aging_s seconds (server setting), so work arriving more than "
+        "d x priority_aging_s later never overtakes an item d levels below: no starvation.",
     )
 
 
@@ -50,6 +70,10 @@ class ModelCard(BaseModel):
 
 class ModelList(BaseModel):
     models: list[ModelCard]
+
+
+class Status(BaseModel):
+    status: str
 
 
 class ErrorBody(BaseModel):

@@ -120,9 +120,53 @@ class Settings(BaseSettings):
         description="Retry a batch that ran out of memory as two halves, down to one input; "
         "off fails the whole batch with 507, as most servers do.",
     )
+    priority_aging_s: float = Field(
+        1.0,
+        gt=0,
+        description="A waiting item's priority rises by one every this many seconds: work "
+        "arriving more than d x this after an item d levels below it never overtakes it, so "
+        "low priority is delayed, never starved.",
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM, how long admitted requests may take to finish (new ones get "
+        "503 draining) before the rest get 503 and the process exits.",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="Require 'Authorization: Bearer <key>' on the API (health and metrics "
+        "stay open). Prefer api_key_file: flags show up in the process list.",
+    )
+    api_key_file: Path | None = Field(
+        None,
+        description="File holding accepted API keys, one per line (blank lines and lines "
+        "starting with # are skipped).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted API key; empty when auth is off."""
+        keys = [self.api_key.get_secret_value()] if self.api_key is not None else []
+        if self.api_key_file is not None:
+            lines = self.api_key_file.read_text(encoding="utf-8").splitlines()
+            keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+        return tuple(keys)
+
+    @model_validator(mode="after")
+    def _check_api_keys(self) -> Settings:
+        if self.api_key is not None and not self.api_key.get_secret_value().strip():
+            raise ValueError("api_key is empty")
+        if self.api_key_file is not None:
+            try:
+                keys = self.api_keys()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read api_key_file {self.api_key_file}: {exc}") from None
+            if not keys:
+                raise ValueError(f"api_key_file {self.api_key_file} holds no key")
+        return self
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> Settings:

@@ -15,6 +15,8 @@ TIMEOUT = 10
 
 @contextlib.asynccontextmanager
 async def running(model, registry, wait_ready=True, **settings):
+    # A scripted model has no real memory to size batches by: a fixed budget, unless asked.
+    settings = {"sizer": "fixed", **settings}
     app = create_app(Settings(**settings), model=model, registry=registry)
     transport = httpx.ASGITransport(app=app)
     async with (

@@ -1,0 +1,88 @@
+"""What the replica still owes: requests inside ``Runtime.infer`` and their open item futures.
+
+A drain waits for this to reach zero; a soak reads the gauges to prove nothing leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from batching import Pending
+
+
+class WorkTracker:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.active_requests = 0
+        self._open: set[asyncio.Future[object]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        Gauge(
+            "batchfit_active_infer_requests",
+            "Inference requests admitted and not yet answered (a drain waits for 0).",
+            registry=registry,
+        ).set_function(lambda: self.active_requests)
+        Gauge(
+            "batchfit_open_items",
+            "Admitted items whose future has not ended, queued or running; 0 when idle "
+            "(anything else when idle is a leak).",
+            registry=registry,
+        ).set_function(lambda: len(self._open))
+        Gauge(
+            "batchfit_event_loop_tasks",
+            "asyncio tasks alive on the replica's event loop (a rising idle value is a leak).",
+            registry=registry,
+        ).set_function(self._num_tasks)
+
+    @property
+    def open_items(self) -> int:
+        return len(self._open)
+
+    def attach(self) -> None:
+        """Read task counts from the running loop."""
+        self._loop = asyncio.get_running_loop()
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """Count one request from admission to its answer."""
+        self.active_requests += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.active_requests -= 1
+            if self.active_requests == 0:
+                self._idle.set()
+
+    def track(self, pendings: Sequence[Pending]) -> None:
+        for pending in pendings:
+            self._open.add(pending.future)
+            pending.future.add_done_callback(self._open.discard)
+
+    def fail_open(self, error: Exception) -> int:
+        """End every open item future with ``error``; return how many there were."""
+        failed = 0
+        for future in list(self._open):
+            if not future.done():
+                future.set_exception(error)
+                failed += 1
+        return failed
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is active; False if ``timeout_s`` passed first."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def _num_tasks(self) -> int:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return 0
+        return len(asyncio.all_tasks(loop))

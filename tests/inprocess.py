@@ -1,0 +1,63 @@
+"""A replica over a scripted model, served by real uvicorn on a loopback socket in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from server import Settings, create_app
+from server.drain import DrainingServer
+from tests.servers import free_port
+
+
+@dataclass
+class LiveServer:
+    url: str
+    port: int
+    server: DrainingServer
+    thread: threading.Thread
+    registry: CollectorRegistry
+    app: object
+
+    def sample(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        return self.registry.get_sample_value(name, labels or {})
+
+    def wait_for(self, predicate, timeout_s: float = 10.0) -> None:
+        """Poll until ``predicate()`` holds (a guard against hangs, not a proof of absence)."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError("condition not reached")
+            time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def serve_in_thread(model, **settings) -> Iterator[LiveServer]:
+    registry = CollectorRegistry()
+    # A scripted model has no real memory to size batches by: a fixed budget, unless asked.
+    resolved = Settings(**{"sizer": "fixed", **settings})
+    app = create_app(resolved, model=model, registry=registry)
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="on"
+    )
+    runtime = app.state.runtime
+    server = DrainingServer(
+        config, drain=lambda: runtime.drain(resolved.drain_timeout_s), abort=runtime.abort
+    )
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    live = LiveServer(f"http://127.0.0.1:{port}", port, server, thread, registry, app)
+    try:
+        live.wait_for(lambda: server.started and runtime.ready, timeout_s=30)
+        yield live
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "uvicorn did not stop"
