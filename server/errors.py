@@ -38,6 +38,15 @@ def draining(message: str = "this replica is shutting down; retry on another") -
     return ApiError(503, "draining", message, retry_after_s=1)
 
 
+# Errors the framework raises itself (routing, body parsing).
+_HTTP_ERROR_TYPES = {
+    400: "invalid_json",  # e.g. a body that is not UTF-8
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+}
+
+
 def to_api_error(exc: BaseException) -> ApiError:
     """The table from our domain errors to HTTP."""
     match exc:
@@ -55,6 +64,9 @@ def to_api_error(exc: BaseException) -> ApiError:
             return ApiError(503, "draining", str(exc), retry_after_s=1)
         case InferenceFailed():
             return ApiError(500, "internal_error", str(exc))
+        case StarletteHTTPException():
+            error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "http_error")
+            return ApiError(exc.status_code, error_type, str(exc.detail))
         case _:
             # Not one of ours: a bug. Its traceback goes to the log, never to the client.
             log.error("unexpected error", exc_info=exc)
@@ -102,14 +114,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        kinds = {
-            400: "invalid_json",  # e.g. a body that is not UTF-8
-            404: "not_found",
-            405: "method_not_allowed",
-            413: "payload_too_large",
-        }
-        error_type = kinds.get(exc.status_code, "http_error")
-        return error_response(request, ApiError(exc.status_code, error_type, str(exc.detail)))
+        return error_response(request, to_api_error(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

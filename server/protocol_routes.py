@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -14,8 +13,6 @@ from starlette.responses import Response
 
 from .errors import ApiError, to_api_error
 from .inference import ClientDisconnected
-
-log = logging.getLogger(__name__)
 
 ErrorRenderer = Callable[[Request, ApiError], Response]
 Handler = Callable[[Request], Awaitable[Response]]
@@ -37,9 +34,7 @@ def protocol_route(render: ErrorRenderer, validation_status: int) -> type[APIRou
                 except RequestValidationError as exc:
                     error = ApiError(validation_status, "invalid_request", describe(exc.errors()))
                 except Exception as exc:
-                    if not isinstance(exc, ApiError):
-                        log.error("unhandled error on %s", request.url.path, exc_info=exc)
-                    error = to_api_error(exc)
+                    error = to_api_error(exc)  # logs what is not ours
                 request.state.error_type = error.error_type
                 return render(request, error)
 

@@ -183,3 +183,25 @@ async def test_v2_bad_requests(registry, body, message):
     assert response.status_code == 400
     assert message in response.json()["error"]
     assert len(model.batch_sizes) == warm  # refused before the queue
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"), [("/v1/embeddings", "openai"), ("/v2/models/scripted/infer", "v2")]
+)
+async def test_a_body_that_is_not_utf8_is_a_400_in_the_protocols_shape(registry, path, shape):
+    # Found by schemathesis: FastAPI raises its own HTTPException for such a body.
+    async with running(VectorModel(), registry) as client:
+        response = await client.post(
+            path, content=b"i\xff", headers={"content-type": "application/json"}
+        )
+    assert response.status_code == 400, response.text
+    body = response.json()
+    if shape == "openai":
+        assert body["error"]["code"] == "invalid_json"
+    else:
+        assert set(body) == {"error"}
+    assert registry.get_sample_value(
+        "batchfit_requests_total", {"endpoint": path if shape == "openai" else
+                                    "/v2/models/{name}/infer", "code": "500",
+                                    "error_type": "internal_error"}
+    ) is None  # fmt: skip
