@@ -53,13 +53,18 @@ WORDS = [
 ]
 
 
-def make_workload(num_requests: int, seed: int) -> list[list[str]]:
-    """Mostly short inputs, some medium, a few at the model's maximum; 1-4 per request."""
+def make_workload(num_requests: int, seed: int, long_share: float = 0.1) -> list[list[str]]:
+    """Short, medium and maximum-length inputs (``long_share`` of them); 1-4 per request."""
     rng = random.Random(seed)
 
     def text() -> str:
         kind = rng.random()
-        words = rng.randint(5, 20) if kind < 0.7 else rng.randint(40, 100) if kind < 0.9 else 300
+        if kind < long_share:
+            words = 300  # truncated to the model's 256 tokens
+        elif kind < long_share + (1 - long_share) * 0.75:
+            words = rng.randint(5, 20)
+        else:
+            words = rng.randint(40, 100)
         return " ".join(rng.choice(WORDS) for _ in range(words))
 
     return [[text() for _ in range(rng.randint(1, 4))] for _ in range(num_requests)]
@@ -182,23 +187,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory-limit", default="640MiB")
     parser.add_argument("--requests", type=int, default=240)
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--fixed", default="8,32,128,512", help="fixed batch sizes to compare")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--long-share", type=float, default=0.4, help="share of inputs at the maximum length"
+    )
     parser.add_argument("--log-dir", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    workload = make_workload(args.requests, args.seed)
+    workload = make_workload(args.requests, args.seed, args.long_share)
     common = ["--memory-limit", args.memory_limit, "--max-wait-ms", "5"]
-    settings = [("adaptive", [*common, "--max-batch-size", "512", "--max-batch-tokens", "131072"])]
+    # Adaptive runs with the server's default caps (32 items, 4096 padded tokens): within them
+    # memory decides. Fixed sizes get room for a full batch of maximum-length inputs.
+    settings = [("adaptive", common)]
     for size in (int(s) for s in args.fixed.split(",")):
         settings.append((
             f"fixed-{size}",
             [*common, "--sizer", "fixed", "--no-oom-split", "--max-batch-size", str(size),
              "--max-batch-tokens", str(size * 256)],
         ))  # fmt: skip
-    print(f"{args.requests} requests ({sum(map(len, workload))} inputs), {args.concurrency} "
-          f"clients, memory limit {args.memory_limit}")  # fmt: skip
+    print(f"{args.requests} requests ({sum(map(len, workload))} inputs, {args.long_share:.0%} "
+          f"at the maximum length), {args.concurrency} clients, memory limit "
+          f"{args.memory_limit}")  # fmt: skip
     print(f"{'setting':<12}{'inputs/s':>10}{'p50 s':>8}{'p99 s':>8}{'failed':>8}"
           f"{'OOMs':>6}{'peak RSS MiB':>14}  statuses")  # fmt: skip
     results = []
