@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import random
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from .servers import Replica, start_replica
 
 WORDS = [
     "the",
@@ -70,55 +67,18 @@ def make_workload(num_requests: int, seed: int, long_share: float = 0.1) -> list
     return [[text() for _ in range(rng.randint(1, 4))] for _ in range(num_requests)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class RssSampler(threading.Thread):
-    def __init__(self, pid: int) -> None:
+    """Samples a replica's resident memory every 20 ms."""
+
+    def __init__(self, replica: Replica) -> None:
         super().__init__(daemon=True)
-        self.path = Path(f"/proc/{pid}/status")
-        self.peak_kib = 0
+        self.replica = replica
+        self.peak_bytes = 0
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.02):
-            with contextlib.suppress(OSError):
-                match = re.search(r"VmRSS:\s+(\d+)", self.path.read_text())
-                if match:
-                    self.peak_kib = max(self.peak_kib, int(match.group(1)))
-
-
-@contextlib.contextmanager
-def replica(flags: list[str], log_path: Path) -> Iterator[tuple[str, int]]:
-    port = free_port()
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--port", str(port), "--log-level",
-             "warning", *flags],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"replica exited: {log_path.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:
-            raise TimeoutError("replica not ready")
-        yield url, process.pid
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+            self.peak_bytes = max(self.peak_bytes, self.replica.rss_bytes() or 0)
 
 
 @dataclass
@@ -158,8 +118,9 @@ async def drive(
 
 
 def run_setting(name, flags, workload, concurrency, log_dir) -> Result:
-    with replica(flags, log_dir / f"{name}.log") as (url, pid):
-        sampler = RssSampler(pid)
+    with start_replica(flags, log_dir=log_dir / name) as replica:
+        url = replica.url
+        sampler = RssSampler(replica)
         sampler.start()
         started = time.perf_counter()
         latencies, statuses, ok_inputs = asyncio.run(drive(url, workload, concurrency))
@@ -179,7 +140,7 @@ def run_setting(name, flags, workload, concurrency, log_dir) -> Result:
         failed=sum(n for code, n in statuses.items() if code != 200),
         statuses=statuses,
         oom_events=ooms,
-        peak_rss_mib=sampler.peak_kib / 1024,
+        peak_rss_mib=sampler.peak_bytes / 2**20,
     )
 
 
