@@ -103,15 +103,19 @@ def launch_replica(flags: list[str], *, log_dir: Path | None = None) -> Replica:
     return Replica(f"http://127.0.0.1:{port}", process, log_path)
 
 
-def stop_replica(replica: Replica) -> None:
-    process = replica.process
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    """SIGTERM (a replica drains), then SIGKILL if it outlasts ``timeout_s``."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(30)
+            process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(10)
+
+
+def stop_replica(replica: Replica) -> None:
+    stop_process(replica.process)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.servers import stop_process
 from tests.servers import ROOT, free_port
 
 SHIPPED_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -82,13 +82,7 @@ def run_prometheus(
         _wait_ready(prometheus, ready_timeout_s)
         yield prometheus
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
+        stop_process(process)
 
 
 def _wait_ready(prometheus: PrometheusProcess, timeout_s: float) -> None:
