@@ -7,9 +7,14 @@ the address-space limit). ``CompositeProbe`` combines them and drops a failing o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
 import resource
+import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -51,39 +56,91 @@ class MemoryProbe(Protocol):
         ...
 
 
-def parse_kib_fields(text: str) -> dict[str, int]:
-    """``Name:   123 kB`` lines (/proc/meminfo, /proc/self/status) to bytes."""
-    values = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
-            values[name.strip()] = int(parts[0]) * 1024
-    return values
+class OpenFiles:
+    """Small /proc and /sys files, opened once and re-read from offset 0 with ``pread``.
+
+    Opening a procfs path costs several times reading it, and the batcher reads these before
+    every batch. Safe to share between threads: ``pread`` has no shared offset. The
+    descriptors close when this object is collected.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        weakref.finalize(self, _close_fds, self._fds)
+
+    def _fd(self, path: str, flags: int) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = self._fds[path] = os.open(path, flags | os.O_CLOEXEC)
+        return fd
+
+    def read(self, path: str) -> bytes:
+        return os.pread(self._fd(path, os.O_RDONLY), 1 << 16, 0)
+
+    def write(self, path: str, data: bytes) -> None:
+        os.write(self._fd(path, os.O_WRONLY), data)
 
 
-def _read_int(path: Path) -> int | None:
+def _read_bytes(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def _close_fds(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def kib_field(text: bytes, name: bytes) -> int | None:
+    """One ``Name:   123 kB`` field of /proc/meminfo or /proc/self/status, in bytes."""
+    lines = b"\n" + text
+    key = b"\n" + name + b":"
+    start = lines.find(key)
+    if start < 0:
+        return None
+    end = lines.find(b"\n", start + 1)
+    parts = lines[start + len(key) : end if end >= 0 else None].split()
+    if len(parts) != 2 or parts[1] != b"kB" or not parts[0].isdigit():
+        return None
+    return int(parts[0]) * 1024
+
+
+def _read_int(path: str, read: Callable[[str], bytes]) -> int | None:
     try:
-        text = path.read_text().strip()
+        text = read(path).strip()
     except OSError:
         return None
-    if text == "max":
+    if text == b"max":
         return None
     value = int(text)
     return None if value >= UNLIMITED else value
 
 
-def cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Bytes left under this cgroup's memory limit, or None when there is no limit."""
+def cgroup_files(root: Path = Path("/sys/fs/cgroup")) -> tuple[str, str] | None:
+    """This cgroup's memory limit and usage files (v2, else v1); None where there are none."""
     for limit_file, usage_file in (
-        (root / "memory.max", root / "memory.current"),  # cgroup v2
+        (root / "memory.max", root / "memory.current"),
         (root / "memory" / "memory.limit_in_bytes", root / "memory" / "memory.usage_in_bytes"),
     ):
-        limit = _read_int(limit_file)
-        if limit is not None:
-            usage = _read_int(usage_file) or 0
-            return max(0, limit - usage)
+        if limit_file.exists():
+            return str(limit_file), str(usage_file)
     return None
+
+
+def cgroup_room(
+    files: tuple[str, str] | None, read: Callable[[str], bytes] = _read_bytes
+) -> int | None:
+    """Bytes left under the memory limit in ``files`` (see ``cgroup_files``); None: no limit."""
+    if files is None:
+        return None
+    limit = _read_int(files[0], read)
+    if limit is None:
+        return None
+    return max(0, limit - (_read_int(files[1], read) or 0))
 
 
 class HostProbe:
@@ -98,31 +155,32 @@ class HostProbe:
 
     def __init__(self, *, memory_limit_bytes: int | None = None, proc: Path = Path("/proc")):
         self.memory_limit_bytes = memory_limit_bytes
-        self._proc = proc
         self._can_reset_peak = True
+        self._files = OpenFiles()
+        self._status = str(proc / "self" / "status")
+        self._meminfo = str(proc / "meminfo")
+        self._clear_refs = str(proc / "self" / "clear_refs")
+        self._cgroup = cgroup_files()
 
-    def _status(self) -> dict[str, int]:
+    def _read(self, path: str) -> bytes:
         try:
-            return parse_kib_fields((self._proc / "self" / "status").read_text())
+            return self._files.read(path)
         except OSError as exc:
-            raise ProbeError(f"cannot read {self._proc}/self/status: {exc}") from exc
+            raise ProbeError(f"cannot read {path}: {exc}") from exc
 
     def read(self) -> MemoryReading:
-        status = self._status()
-        try:
-            meminfo = parse_kib_fields((self._proc / "meminfo").read_text())
-        except OSError as exc:
-            raise ProbeError(f"cannot read {self._proc}/meminfo: {exc}") from exc
-        if "VmRSS" not in status or "MemAvailable" not in meminfo:
+        status = self._read(self._status)
+        rss = kib_field(status, b"VmRSS")
+        available = kib_field(self._read(self._meminfo), b"MemAvailable")
+        if rss is None or available is None:
             raise ProbeError("VmRSS or MemAvailable missing")
-        rss = status["VmRSS"]
-        rooms = [meminfo["MemAvailable"]]
-        cgroup = cgroup_room()
+        rooms = [available]
+        cgroup = cgroup_room(self._cgroup, self._files.read)
         if cgroup is not None:
             rooms.append(cgroup)
         soft, _ = resource.getrlimit(resource.RLIMIT_AS)
         if soft != resource.RLIM_INFINITY and soft < UNLIMITED:
-            rooms.append(max(0, soft - status.get("VmSize", 0)))
+            rooms.append(max(0, soft - (kib_field(status, b"VmSize") or 0)))
         if self.memory_limit_bytes is not None:
             rooms.append(max(0, self.memory_limit_bytes - rss))
         free = min(rooms)
@@ -133,14 +191,16 @@ class HostProbe:
     def start_batch(self) -> int | None:
         if self._can_reset_peak:
             try:
-                (self._proc / "self" / "clear_refs").write_text("5")
+                self._files.write(self._clear_refs, b"5")
             except OSError as exc:
                 self._can_reset_peak = False
                 log.warning("cannot reset the peak RSS (%s); batch peaks are not measured", exc)
-        return self._status().get("VmRSS")
+        return kib_field(self._read(self._status), b"VmRSS")
 
     def batch_peak(self) -> int | None:
-        return self._status().get("VmHWM") if self._can_reset_peak else None
+        if not self._can_reset_peak:
+            return None
+        return kib_field(self._read(self._status), b"VmHWM")
 
 
 class TorchCudaProbe:
@@ -309,8 +369,10 @@ def limit_address_space(
     ``reserve_bytes`` more is allowed for address space that is not memory: thread stacks
     and malloc arenas of threads started later (OpenMP's pool at the first forward pass, the
     tokenizer threads) reserve address space they never touch."""
-    status = parse_kib_fields((proc / "self" / "status").read_text())
-    limit = status["VmSize"] + room_bytes + reserve_bytes
+    size = kib_field((proc / "self" / "status").read_bytes(), b"VmSize")
+    if size is None:
+        raise ProbeError(f"no VmSize in {proc}/self/status")
+    limit = size + room_bytes + reserve_bytes
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)

@@ -7,16 +7,16 @@ from types import SimpleNamespace
 import pytest
 
 from batching import CompositeProbe, HostProbe, NvmlProbe, ProbeError, TorchCudaProbe
-from batching.probes import cgroup_room, parse_kib_fields, probes_for_device
+from batching.probes import cgroup_files, cgroup_room, kib_field, probes_for_device
 
 # --- the host probe, against the real /proc of this machine ---
 
 
 def test_host_probe_reads_this_process():
     reading = HostProbe().read()
-    meminfo = parse_kib_fields(Path("/proc/meminfo").read_text())
-    assert 10 * 2**20 < reading.resident_bytes < meminfo["MemTotal"]
-    assert 0 < reading.free_bytes <= meminfo["MemTotal"]
+    total = kib_field(Path("/proc/meminfo").read_bytes(), b"MemTotal")
+    assert 10 * 2**20 < reading.resident_bytes < total
+    assert 0 < reading.free_bytes <= total
     assert reading.sources == ("host",)
 
 
@@ -73,12 +73,23 @@ def test_cgroup_room(tmp_path, files, room):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text + "\n")
-    assert cgroup_room(tmp_path) == room
+    assert cgroup_room(cgroup_files(tmp_path)) == room
 
 
-def test_parse_kib_fields():
-    text = "MemTotal:       1000 kB\nVmRSS:\t  20 kB\nName:\tpython\n"
-    assert parse_kib_fields(text) == {"MemTotal": 1024000, "VmRSS": 20480}
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        (b"MemTotal", 1024000),  # the first line
+        (b"VmRSS", 20480),  # a tab before the number
+        (b"VmHWM", 3072),  # the last line, no newline after it
+        (b"RSS", None),  # only a suffix of a name
+        (b"Name", None),  # not a kB field
+        (b"VmSwap", None),  # absent
+    ],
+)
+def test_kib_field(name, value):
+    text = b"MemTotal:       1000 kB\nVmRSS:\t  20 kB\nName:\tpython\nVmHWM:  3 kB"
+    assert kib_field(text, name) == value
 
 
 def test_cpu_device_gets_the_host_probe():

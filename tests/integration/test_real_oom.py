@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from batching.probes import parse_kib_fields
+from batching.probes import kib_field
 from tests.reference import cosine, reference_embeddings
 from tests.servers import run_server
 
@@ -65,7 +65,7 @@ class RssSampler(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(0.01):
-            self.peak = max(self.peak, parse_kib_fields(self.path.read_text()).get("VmRSS", 0))
+            self.peak = max(self.peak, kib_field(self.path.read_bytes(), b"VmRSS") or 0)
 
 
 def send_burst(url: str, texts: list[str]) -> list[httpx.Response]:
