@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from models import Model
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,8 +19,6 @@ class LimitResult:
     inputs_per_s: float
     mean_batch_size: float
     padding_ratio: float
-    batch1_p50_s: float
-    """Median forward pass of one input alone (the one-client requests' inputs)."""
     tokenize_s: float
     """Time to tokenize every input once, reported apart from ``compute_s``."""
     cpu_ms_per_input: float = float("nan")
@@ -41,20 +42,22 @@ def ideal_batches(costs: Sequence[int], max_items: int, max_tokens: int) -> list
     return batches
 
 
+def load_bench_model(model: str | None = None) -> Model:
+    """The model as a replica loads it (same defaults, same thread count)."""
+    from models import ModelSpec, load_model
+
+    return load_model(ModelSpec() if model is None else ModelSpec(model=model))
+
+
 def measure_limit(
+    loaded: Model,
     texts: Sequence[str],
-    single_texts: Sequence[str],
     *,
     max_items: int,
     max_tokens: int,
-    model: str | None = None,
     repeats: int = 1,
 ) -> LimitResult:
     """Tokenize ``texts``, warm up, then time ``repeats`` passes over the ideal batches."""
-    from models import ModelSpec, load_model
-
-    spec = ModelSpec() if model is None else ModelSpec(model=model)
-    loaded = load_model(spec)
     started = time.perf_counter()
     items = loaded.prepare(list(texts), truncate=True)
     tokenize_s = time.perf_counter() - started
@@ -68,12 +71,6 @@ def measure_limit(
             loaded.forward(batch)
     compute_s = (time.perf_counter() - started) / repeats
     cpu_s = (time.process_time() - cpu_started) / repeats
-    singles = loaded.prepare(list(single_texts), truncate=True)
-    batch1 = []
-    for item in singles:
-        t0 = time.perf_counter()
-        loaded.forward([item])
-        batch1.append(time.perf_counter() - t0)
     padded = sum(len(b) * max(i.cost for i in b) for b in batches)
     return LimitResult(
         num_inputs=len(items),
@@ -82,7 +79,22 @@ def measure_limit(
         inputs_per_s=len(items) / compute_s,
         mean_batch_size=len(items) / len(batches),
         padding_ratio=padded / sum(costs),
-        batch1_p50_s=statistics.median(batch1) if batch1 else float("nan"),
         tokenize_s=tokenize_s,
         cpu_ms_per_input=cpu_s * 1e3 / len(items),
     )
+
+
+class Batch1Timer:
+    """Times ``forward`` of one input alone, called between the one-client requests, so the
+    model's batch-1 latency and the server's are measured at the same moments of one run."""
+
+    def __init__(self, loaded: Model, texts: Sequence[str]) -> None:
+        self._model = loaded
+        self._items = loaded.prepare(list(texts), truncate=True)
+        self.latencies_s: list[float] = []
+
+    def __call__(self, index: int) -> None:
+        item = self._items[index]
+        started = time.perf_counter()
+        self._model.forward([item])
+        self.latencies_s.append(time.perf_counter() - started)

@@ -1,14 +1,19 @@
 """Load generators over HTTP: closed loop (C clients, N requests) and open loop (arrivals at
-given times for a fixed duration). Both are bounded in count and time and stop by themselves."""
+given times for a fixed duration). Both are bounded in count and time and stop by themselves.
+
+The client is aiohttp: measured against a no-op model on this 2-core host it costs 0.7 ms
+less per request than httpx's async client (1.3 vs 2.0 ms one-client round trip), CPU that
+the client would otherwise take from the server it measures.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import orjson
 
 
@@ -33,15 +38,19 @@ def encode_bodies(requests: Sequence[Sequence[str]]) -> list[bytes]:
     return [orjson.dumps({"inputs": list(inputs)}) for inputs in requests]
 
 
-def _client(url: str, num_connections: int, timeout_s: float) -> httpx.AsyncClient:
-    limits = httpx.Limits(
-        max_connections=num_connections, max_keepalive_connections=num_connections
+HEADERS = {"content-type": "application/json"}
+
+
+def _client(url: str, num_connections: int, timeout_s: float) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        base_url=url,
+        connector=aiohttp.TCPConnector(limit=num_connections),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
     )
-    return httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout_s)
 
 
 async def _send(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     body: bytes,
     num_inputs: int,
     started: float,
@@ -50,12 +59,10 @@ async def _send(
     # Open loop measures from the scheduled send time, so a slow client cannot hide queueing.
     sent = time.perf_counter() if scheduled is None else scheduled
     try:
-        response = await client.post(
-            "/v1/infer", content=body, headers={"content-type": "application/json"}
-        )
-        await response.aread()
-        status = response.status_code
-    except httpx.HTTPError:
+        async with client.post("/v1/infer", data=body, headers=HEADERS) as response:
+            await response.read()
+            status = response.status
+    except (aiohttp.ClientError, TimeoutError):
         status = 0
     return Outcome(sent - started, time.perf_counter() - sent, status, num_inputs)
 
@@ -67,9 +74,16 @@ async def closed_loop(
     concurrency: int,
     max_duration_s: float,
     timeout_s: float = 60.0,
+    after_each: Callable[[int], None] | None = None,
 ) -> RunResult:
     """``concurrency`` clients each send their next request as soon as the last one answers,
-    until every request was sent once or ``max_duration_s`` passed."""
+    until every request was sent once or ``max_duration_s`` passed.
+
+    ``after_each(i)`` runs once request ``i`` answered, before the next is sent; only with
+    one client, where it cannot delay another request (the idle benchmark times the model
+    in-process there, at the same moments as the server)."""
+    if after_each is not None and concurrency != 1:
+        raise ValueError("after_each needs concurrency 1")
     bodies = encode_bodies(requests)
     counts = [len(r) for r in requests]
     next_index = 0
@@ -84,6 +98,8 @@ async def closed_loop(
                 i = next_index
                 next_index += 1
                 outcomes.append(await _send(client, bodies[i], counts[i], started))
+                if after_each is not None:
+                    after_each(i)
 
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
         wall = time.perf_counter() - started

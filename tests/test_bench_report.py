@@ -15,7 +15,7 @@ from bench.stats import batching_figures, parse_scrape, percentile, summarize
 
 LIMIT = LimitResult(
     num_inputs=100, num_batches=4, compute_s=0.5, inputs_per_s=200.0, mean_batch_size=25.0,
-    padding_ratio=1.1, batch1_p50_s=0.004, tokenize_s=0.01,
+    padding_ratio=1.1, tokenize_s=0.01,
 )  # fmt: skip
 
 
@@ -86,6 +86,7 @@ def make_result():
         summarize("adaptive", "c=16", outcomes([50] * 90 + [400], status=200), 1.0),
     ]
     result.idle = {"adaptive": summarize("adaptive", "idle c=1", outcomes([5] * 10), 1.0)}
+    result.batch1_p50_s = {"adaptive": 0.004}
     result.timeline_config, result.timeline_load = "adaptive", "c=16"
     result.timeline = [Sample(0.0, 300 * 2**20, 0, 0), Sample(0.5, 320 * 2**20, 40, 4)]
     return result

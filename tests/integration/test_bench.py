@@ -21,7 +21,8 @@ def test_quick_bench_writes_the_report(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     figures = json.loads((out / "results.json").read_text())
     assert figures["limit"]["inputs_per_s"] > 0
-    assert figures["limit"]["batch1_p50_s"] > 0
+    assert set(figures["batch1_p50_s"]) == {"off", "adaptive"}
+    assert all(p50 > 0 for p50 in figures["batch1_p50_s"].values())
     rows = {(s["config"], s["load"]): s for s in figures["summaries"]}
     loads = ("c=1", "c=8", "r=8/s")
     assert set(rows) == {(c, load) for c in ("off", "adaptive") for load in loads}
