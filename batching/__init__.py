@@ -14,7 +14,7 @@ from .errors import (
     ShuttingDown,
 )
 from .metrics import BatchingMetrics, MemoryMetrics, powers_of_two
-from .planner import BatchBudget, BatchPlan, largest_batch, plan_batch, split
+from .planner import BatchBudget, BatchPlan, cheapest_window, largest_batch, plan_batch, split
 from .probes import (
     CompositeProbe,
     HostProbe,
@@ -38,6 +38,7 @@ from .sizer import (
     fit_envelope,
     prior_peak_model,
 )
+from .timing import BatchTimeModel, fit_time_model
 
 __all__ = [
     "AdaptiveConfig",
@@ -45,6 +46,7 @@ __all__ = [
     "BatchBudget",
     "BatchOutcome",
     "BatchPlan",
+    "BatchTimeModel",
     "Batcher",
     "BatcherConfig",
     "BatchingError",
@@ -70,7 +72,9 @@ __all__ = [
     "ShuttingDown",
     "Sizer",
     "TorchCudaProbe",
+    "cheapest_window",
     "fit_envelope",
+    "fit_time_model",
     "largest_batch",
     "limit_address_space",
     "plan_batch",

@@ -16,6 +16,7 @@ from .planner import BatchBudget, BatchPlan, plan_batch, split
 from .probes import MemoryProbe, MemoryReading
 from .queue import Pending, RequestQueue
 from .sizer import BatchOutcome, Sizer
+from .timing import BatchTimeModel
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class BatcherConfig:
     """Retry a batch that ran out of memory as two halves; off fails the whole batch."""
     max_length_ratio: float | None = None
     """Longest / shortest item in one batch (see ``plan_batch``); None: no bound."""
+    plan_by_time: bool = False
+    """Fit a ``BatchTimeModel`` to the batches that ran and plan with it once fitted."""
 
 
 class ModelThread:
@@ -81,6 +84,7 @@ class Batcher:
         self._probe = probe
         self._memory_metrics = memory_metrics
         self._budget: BatchBudget | None = None
+        self.time_model = BatchTimeModel() if config.plan_by_time else None
         self.healthy = True
         self._in_flight: Sequence[Pending] = ()
         metrics.queue_capacity.set(queue.max_items)
@@ -120,11 +124,13 @@ class Batcher:
             self._update_depth()
             return 0
         priorities = [self.queue.effective_priority(p, now) for p in waiting]
+        time_model = self.time_model
         plan = plan_batch(
             [p.cost for p in waiting],
             budget,
             priorities if len(set(priorities)) > 1 else None,
             max_length_ratio=self.config.max_length_ratio,
+            predict_time=time_model.predict if time_model and time_model.coefficients else None,
         )
         batch = [waiting[i] for i in plan.indices]
         self.queue.remove(batch)
@@ -140,7 +146,10 @@ class Batcher:
         padded_len = max(item.cost for item in items)
         started = self.clock.now()
         _, peak = await self._model_thread.call(self._measured_forward, items)
-        return BatchOutcome(len(items), padded_len, self.clock.now() - started, peak)
+        elapsed = self.clock.now() - started
+        if self.time_model is not None:
+            self.time_model.observe(len(items), padded_len, elapsed)
+        return BatchOutcome(len(items), padded_len, elapsed, peak)
 
     def fail_waiting(self, error: Exception) -> None:
         waiting = self.queue.waiting()
@@ -268,6 +277,8 @@ class Batcher:
                 _fail(pending, InferenceFailed("model returned the wrong number of outputs"))
             return
         self.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
+        if self.time_model is not None:
+            self.time_model.observe(len(live), padded_len, elapsed)
         self._record_peak(predicted, peak)
         orphans = 0
         for pending, output in zip(live, outputs, strict=True):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 PeakPredictor = Callable[[int, int], float]
 """Predicted peak bytes of a batch of ``n`` items padded to length ``L``."""
+TimePredictor = Callable[[int, int], float]
+"""Predicted seconds of a forward pass over ``n`` items padded to length ``L``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,20 +65,26 @@ def plan_batch(
     priorities: Sequence[int] | None = None,
     *,
     max_length_ratio: float | None = None,
+    predict_time: TimePredictor | None = None,
 ) -> BatchPlan:
     """Pick the next batch from ``costs``, given in queue order (priority, then arrival).
 
     The first item always goes in, even over budget, so nothing starves (the OOM path deals
     with an item too large to run). Then the items nearest in length to it join, higher
     priority first and FIFO among equals, while ``n * longest`` and the predicted peak stay
-    within the budget. Items that do not fit are skipped, not reordered. With
-    ``max_length_ratio``, an item joins only if the batch's longest item stays within that
-    ratio of its shortest (plus ``LENGTH_SLACK_TOKENS``): padding a short item to a long one's
-    length costs more compute than running it in the next batch.
+    within the budget. Items that do not fit are skipped, not reordered. Padding a short
+    item to a long one's length can cost more compute than running it in another pass, so
+    only some lengths may join: with ``predict_time``, those of the first item's batch in the
+    cheapest partition of the queue (``cheapest_window``); without it, with
+    ``max_length_ratio``, those that keep the batch's longest item within that ratio of its
+    shortest (plus ``LENGTH_SLACK_TOKENS``).
     """
     if not costs:
         return BatchPlan(indices=(), padded_len=0, real_tokens=0)
     anchor = costs[0]
+    shortest_allowed, longest_allowed = 0, math.inf
+    if predict_time is not None:
+        shortest_allowed, longest_allowed = cheapest_window(costs, budget, predict_time)
     if priorities is None:
         order = sorted(range(1, len(costs)), key=lambda i: (abs(costs[i] - anchor), i))
     else:
@@ -87,9 +96,13 @@ def plan_batch(
     for i in order:
         if len(chosen) >= budget.max_items:
             break
+        if not shortest_allowed <= costs[i] <= longest_allowed:
+            continue
         candidate_len = max(padded_len, costs[i])
-        if max_length_ratio is not None and candidate_len > (
-            max_length_ratio * min(shortest, costs[i]) + LENGTH_SLACK_TOKENS
+        if (
+            predict_time is None
+            and max_length_ratio is not None
+            and candidate_len > (max_length_ratio * min(shortest, costs[i]) + LENGTH_SLACK_TOKENS)
         ):
             continue
         if budget.fits(len(chosen) + 1, candidate_len):
@@ -102,6 +115,44 @@ def plan_batch(
         padded_len=padded_len,
         real_tokens=sum(costs[i] for i in chosen),
     )
+
+
+def cheapest_window(
+    costs: Sequence[int], budget: BatchBudget, predict_time: TimePredictor
+) -> tuple[int, int]:
+    """The lengths ``(shortest, longest)`` that the batch of ``costs[0]`` should span: its
+    part of the partition of everything waiting, in length order, into the batches with the
+    least predicted time in all.
+
+    A dynamic programme over the distinct lengths: a run of lengths costs one pass padded to
+    its longest, or ``k`` passes if the budget takes at most ``1/k`` of its items at once.
+    Runs over several lengths are capped at one full batch (more would be better split by
+    length), so it costs O(lengths x items per batch).
+    """
+    counts: dict[int, int] = {}
+    for cost in costs:
+        counts[cost] = counts.get(cost, 0) + 1
+    lengths = sorted(counts)
+    best = [0.0] * (len(lengths) + 1)
+    start = [0] * (len(lengths) + 1)
+    for end in range(1, len(lengths) + 1):
+        longest = lengths[end - 1]
+        per_batch = max(1, min(budget.max_items, budget.max_tokens // longest))
+        best[end], start[end] = math.inf, end - 1
+        num_items = 0
+        for first in range(end - 1, -1, -1):
+            num_items += counts[lengths[first]]
+            if first < end - 1 and num_items > per_batch:
+                break
+            passes = -(-num_items // per_batch)
+            total = best[first] + passes * predict_time(-(-num_items // passes), longest)
+            if total < best[end]:
+                best[end], start[end] = total, first
+    anchor = lengths.index(costs[0])
+    end = len(lengths)
+    while start[end] > anchor:
+        end = start[end]
+    return lengths[start[end]], lengths[end - 1]
 
 
 def split(items: Sequence[object]) -> tuple[Sequence[object], Sequence[object]]:

@@ -66,7 +66,14 @@ class Settings(BaseSettings):
         2.0,
         ge=1,
         description="Longest / shortest input in one batch (plus 16 tokens of slack); a short "
-        "input padded to a long one's length wastes compute. A large value lifts the bound.",
+        "input padded to a long one's length wastes compute. A large value lifts the bound. "
+        "Applies while plan_by_time is off or has no fitted model yet.",
+    )
+    plan_by_time: bool = Field(
+        True,
+        description="Choose batch-mates with a model of forward time (a + b*n*L + c*n*L^2 for n "
+        "inputs padded to L tokens) fitted to the last 256 batches: the oldest input's batch "
+        "spans its lengths in the split of the queue that takes least time in all.",
     )
     max_queue_items: int = Field(
         1024, ge=1, description="Queue capacity in items; beyond it requests get 429."
@@ -199,6 +206,7 @@ class Settings(BaseSettings):
             max_wait_s=self.max_wait_ms / 1000,
             max_length_ratio=self.max_length_ratio,
             oom_split=self.oom_split,
+            plan_by_time=self.plan_by_time,
         )
 
     def adaptive_config(self) -> AdaptiveConfig:

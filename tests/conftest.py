@@ -38,7 +38,7 @@ class BatcherHarness:
     """A batcher over a scripted model, a fake clock and a pre-fillable queue."""
 
     def __init__(self, *, model, clock, registry, model_thread, sizer=None, queue_items=1024,
-                 max_wait_s=0.005, probe=None, oom_split=True):  # fmt: skip
+                 max_wait_s=0.005, probe=None, oom_split=True, plan_by_time=False):  # fmt: skip
         self.model = model
         self.clock = clock
         self.registry = registry
@@ -50,7 +50,9 @@ class BatcherHarness:
             sizer=sizer or FixedSizer(max_items=32, max_tokens=10_000),
             clock=clock,
             metrics=BatchingMetrics(registry, max_batch_size=32, max_batch_tokens=10_000),
-            config=BatcherConfig(max_wait_s=max_wait_s, oom_split=oom_split),
+            config=BatcherConfig(
+                max_wait_s=max_wait_s, oom_split=oom_split, plan_by_time=plan_by_time
+            ),
             oom_errors=(ModelOutOfMemory,),
             fatal_errors=(DeviceError,),
             probe=probe,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from batching import MemoryReading
@@ -38,6 +38,7 @@ class FakeClock:
 class ScriptedModel:
     """Cost is the number of words + 2; output is ``"out:<text>"``.
 
+    With ``clock`` and ``seconds``, each pass advances the fake clock by ``seconds(n, L)``.
     Raises ``ModelOutOfMemory`` for batches larger than ``oom_above_items`` or with more padded
     tokens than ``oom_above_tokens``; records every batch's size. ``gate`` (if set) blocks the
     model thread until the test opens it.
@@ -51,11 +52,14 @@ class ScriptedModel:
         fail_with: Exception | None = None,
         gate: threading.Event | None = None,
         max_input_tokens: int = 64,
+        clock: FakeClock | None = None,
+        seconds: Callable[[int, int], float] | None = None,
     ) -> None:
         self.oom_above_items = oom_above_items
         self.oom_above_tokens = oom_above_tokens
         self.fail_with = fail_with
         self.gate = gate
+        self.clock, self.seconds = clock, seconds
         self.entered = threading.Event()  # set whenever a forward pass starts
         self.batch_sizes: list[int] = []
         self.seen: list[str] = []
@@ -75,6 +79,8 @@ class ScriptedModel:
         if self.gate is not None:
             self.gate.wait(timeout=30)
         self.batch_sizes.append(len(items))
+        if self.clock is not None and self.seconds is not None:
+            self.clock.advance(self.seconds(len(items), max(item.cost for item in items)))
         if self.fail_with is not None:
             raise self.fail_with
         padded = len(items) * max(item.cost for item in items)

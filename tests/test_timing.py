@@ -1,0 +1,63 @@
+"""The forward-time model: a + b·n·L + c·n·L², fitted non-negative to recent batches."""
+
+import random
+
+import pytest
+
+from batching import BatchTimeModel, fit_time_model
+
+TRUE = (0.013, 0.00025, 0.0000004)
+SHAPES = [(n, length) for n in (1, 2, 4, 8, 16, 32) for length in (8, 16, 32, 64, 128)]
+
+
+def seconds(n, length, coefficients=TRUE):
+    a, b, c = coefficients
+    return a + b * n * length + c * n * length * length
+
+
+def test_fit_recovers_the_coefficients_from_exact_times():
+    fitted = fit_time_model([(n, length, seconds(n, length)) for n, length in SHAPES])
+    assert fitted == pytest.approx(TRUE, rel=1e-6)
+
+
+def test_fit_tolerates_noise():
+    rng = random.Random(0)
+    samples = [(n, length, seconds(n, length) * rng.uniform(0.9, 1.1)) for n, length in SHAPES]
+    a, b, c = fit_time_model(samples)
+    assert a == pytest.approx(TRUE[0], rel=0.2)
+    assert b == pytest.approx(TRUE[1], rel=0.2)
+    assert c >= 0
+
+
+def test_fit_keeps_coefficients_non_negative():
+    # Time falls with size here (no real model does this): the fit may not go negative.
+    samples = [(n, 16, 0.05 / n) for n in (1, 2, 4, 8)] + [(1, 64, 0.05), (2, 64, 0.04)]
+    fitted = fit_time_model(samples)
+    assert fitted is None or min(fitted) >= 0
+
+
+def test_one_shape_cannot_be_fitted():
+    assert fit_time_model([(4, 32, 0.05)] * 10) is None
+
+
+def test_the_model_fits_after_enough_batches_and_refits_as_times_change():
+    model = BatchTimeModel(min_samples=8, refit_every=4, window=16)
+    with pytest.raises(RuntimeError):
+        model.predict(1, 8)
+    for n, length in SHAPES[:7]:
+        model.observe(n, length, seconds(n, length))
+    assert model.coefficients is None
+    model.observe(*SHAPES[7], seconds(*SHAPES[7]))
+    assert model.predict(4, 32) == pytest.approx(seconds(4, 32), rel=1e-6)
+    # The device gets twice as slow: once the window holds only new batches, so does the model.
+    slower = tuple(2 * x for x in TRUE)
+    for n, length in SHAPES[8:24]:
+        model.observe(n, length, seconds(n, length, slower))
+    assert model.predict(4, 32) == pytest.approx(seconds(4, 32, slower), rel=1e-6)
+
+
+def test_zero_or_negative_times_are_ignored():
+    model = BatchTimeModel(min_samples=3)
+    for n, length in SHAPES[:5]:
+        model.observe(n, length, 0.0)  # a fake clock that did not move
+    assert model.coefficients is None
