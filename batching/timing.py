@@ -27,7 +27,7 @@ class BatchTimeModel:
         self.min_samples = min_samples
         self.refit_every = refit_every
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self._since_fit = 0
+        self._since_fit = refit_every  # the first fit as soon as there are min_samples
         self.coefficients: tuple[float, float, float] | None = None
         """``(a, b, c)`` in seconds; None until enough varied batches ran."""
 
@@ -36,9 +36,9 @@ class BatchTimeModel:
             return
         self._samples.append((num_items, padded_len, seconds))
         self._since_fit += 1
-        if len(self._samples) >= self.min_samples and (
-            self.coefficients is None or self._since_fit >= self.refit_every
-        ):
+        # NOTE: also while unfitted, at most every refit_every batches: batches of one shape
+        # (an idle server's) cannot be fitted, and each try costs an SVD on the event loop.
+        if len(self._samples) >= self.min_samples and self._since_fit >= self.refit_every:
             self._since_fit = 0
             self.coefficients = fit_time_model(self._samples) or self.coefficients
 

@@ -61,3 +61,12 @@ def test_zero_or_negative_times_are_ignored():
     for n, length in SHAPES[:5]:
         model.observe(n, length, 0.0)  # a fake clock that did not move
     assert model.coefficients is None
+
+
+def test_an_unfittable_window_is_retried_only_every_refit_every_batches(monkeypatch):
+    fits = []
+    monkeypatch.setattr("batching.timing.fit_time_model", lambda s: fits.append(len(s)))
+    model = BatchTimeModel(min_samples=3, refit_every=4)
+    for _ in range(12):
+        model.observe(1, 8, 0.01)
+    assert fits == [3, 7, 11]
