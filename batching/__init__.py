@@ -14,7 +14,15 @@ from .errors import (
     ShuttingDown,
 )
 from .metrics import BatchingMetrics, MemoryMetrics, powers_of_two
-from .planner import BatchBudget, BatchPlan, cheapest_window, largest_batch, plan_batch, split
+from .planner import (
+    BatchBudget,
+    BatchPlan,
+    cheapest_partition,
+    cheapest_window,
+    largest_batch,
+    plan_batch,
+    split,
+)
 from .probes import (
     CompositeProbe,
     HostProbe,
@@ -72,6 +80,7 @@ __all__ = [
     "ShuttingDown",
     "Sizer",
     "TorchCudaProbe",
+    "cheapest_partition",
     "cheapest_window",
     "fit_envelope",
     "fit_time_model",

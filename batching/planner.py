@@ -117,17 +117,16 @@ def plan_batch(
     )
 
 
-def cheapest_window(
+def cheapest_partition(
     costs: Sequence[int], budget: BatchBudget, predict_time: TimePredictor
-) -> tuple[int, int]:
-    """The lengths ``(shortest, longest)`` that the batch of ``costs[0]`` should span: its
-    part of the partition of everything waiting, in length order, into the batches with the
-    least predicted time in all.
+) -> list[tuple[int, int]]:
+    """Everything waiting split, in length order, into the runs of lengths with the least
+    predicted time in all; each run as ``(shortest, longest)``, shortest run first.
 
-    A dynamic programme over the distinct lengths: a run of lengths costs one pass padded to
-    its longest, or ``k`` passes if the budget takes at most ``1/k`` of its items at once.
-    Runs over several lengths are capped at one full batch (more would be better split by
-    length), so it costs O(lengths x items per batch).
+    A dynamic programme over the distinct lengths (all items of one length share a run): a
+    run costs one pass padded to its longest, or ``k`` passes if the budget takes at most
+    ``1/k`` of its items at once. Runs over several lengths are capped at one full batch
+    (more would be better split by length), so it costs O(lengths x items per batch).
     """
     counts: dict[int, int] = {}
     for cost in costs:
@@ -148,11 +147,23 @@ def cheapest_window(
             total = best[first] + passes * predict_time(-(-num_items // passes), longest)
             if total < best[end]:
                 best[end], start[end] = total, first
-    anchor = lengths.index(costs[0])
+    runs = []
     end = len(lengths)
-    while start[end] > anchor:
+    while end > 0:
+        runs.append((lengths[start[end]], lengths[end - 1]))
         end = start[end]
-    return lengths[start[end]], lengths[end - 1]
+    return runs[::-1]
+
+
+def cheapest_window(
+    costs: Sequence[int], budget: BatchBudget, predict_time: TimePredictor
+) -> tuple[int, int]:
+    """The lengths ``(shortest, longest)`` that the batch of ``costs[0]`` should span: its
+    run in ``cheapest_partition`` of everything waiting."""
+    return next(
+        run for run in cheapest_partition(costs, budget, predict_time)
+        if run[0] <= costs[0] <= run[1]
+    )  # fmt: skip
 
 
 def split(items: Sequence[object]) -> tuple[Sequence[object], Sequence[object]]:

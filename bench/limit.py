@@ -1,14 +1,27 @@
-"""The in-process limit: the same model, ideal batches, no HTTP and no queue."""
+"""The in-process limit: the same model, ideal batches, no HTTP and no queue.
+
+Two plans of ideal batches over every input of a load level, known in advance, and the
+faster one is the limit: the largest batches the budget allows (sorted by length), and the
+cheapest split by a time model fitted to the first plan's batches (``cheapest_partition``,
+the planner's own rule with the whole workload in view). On a CPU the second wins: big
+batches are no cheaper per token, so padding is what counts.
+"""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from batching import BatchBudget, cheapest_partition, fit_time_model
+from batching.planner import TimePredictor
 
 if TYPE_CHECKING:
     from models import Model
+
+LARGEST, CHEAPEST = "largest batches", "cheapest split"
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +36,10 @@ class LimitResult:
     """Time to tokenize every input once, reported apart from ``compute_s``."""
     cpu_ms_per_input: float = float("nan")
     """Process CPU time per input of the timed passes."""
+    plan: str = LARGEST
+    """Which plan of ideal batches was faster (the figures above are its own)."""
+    other_plan_inputs_per_s: float = float("nan")
+    """Throughput of the slower plan (NaN if it could not be made)."""
 
 
 def ideal_batches(costs: Sequence[int], max_items: int, max_tokens: int) -> list[list[int]]:
@@ -42,6 +59,22 @@ def ideal_batches(costs: Sequence[int], max_items: int, max_tokens: int) -> list
     return batches
 
 
+def cheapest_batches(
+    costs: Sequence[int], max_items: int, max_tokens: int, predict_time: TimePredictor
+) -> list[list[int]]:
+    """Indices grouped by ``cheapest_partition``: each run sorted by length, cut into equal
+    passes where the budget cannot take it at once."""
+    budget = BatchBudget(max_items=max_items, max_tokens=max_tokens)
+    order = sorted(range(len(costs)), key=lambda i: costs[i])
+    batches: list[list[int]] = []
+    for shortest, longest in cheapest_partition(costs, budget, predict_time):
+        run = [i for i in order if shortest <= costs[i] <= longest]
+        per_batch = max(1, min(max_items, max_tokens // longest))
+        size = math.ceil(len(run) / math.ceil(len(run) / per_batch))
+        batches += [run[k : k + size] for k in range(0, len(run), size)]
+    return batches
+
+
 def load_bench_model(model: str | None = None) -> Model:
     """The model as a replica loads it (same defaults, same thread count)."""
     from models import ModelSpec, load_model
@@ -57,21 +90,35 @@ def measure_limit(
     max_tokens: int,
     repeats: int = 1,
 ) -> LimitResult:
-    """Tokenize ``texts``, warm up, then time ``repeats`` passes over the ideal batches."""
+    """Tokenize ``texts``, warm up, then time ``repeats`` passes over each plan's batches."""
     started = time.perf_counter()
     items = loaded.prepare(list(texts), truncate=True)
     tokenize_s = time.perf_counter() - started
     costs = [item.cost for item in items]
-    batches = [[items[i] for i in batch] for batch in ideal_batches(costs, max_items, max_tokens)]
+    largest = ideal_batches(costs, max_items, max_tokens)
     loaded.forward(loaded.synthetic_items(min(max_items, 8), 32))
-    loaded.forward(batches[-1])  # the longest batch, so the allocator has seen the peak
-    started, cpu_started = time.perf_counter(), time.process_time()
-    for _ in range(repeats):
-        for batch in batches:
-            loaded.forward(batch)
-    compute_s = (time.perf_counter() - started) / repeats
-    cpu_s = (time.process_time() - cpu_started) / repeats
-    padded = sum(len(b) * max(i.cost for i in b) for b in batches)
+    loaded.forward([items[i] for i in largest[-1]])  # the allocator has seen the peak
+    samples: list[tuple[int, int, float]] = []
+    results = [_time_plan(loaded, items, largest, repeats, samples)]
+    for length in (min(costs), max(costs)):
+        # Lone inputs too, so the fit can tell the per-pass cost from the per-token one.
+        lone = [items[costs.index(length)]]
+        started = time.perf_counter()
+        loaded.forward(lone)
+        samples.append((1, length, time.perf_counter() - started))
+    coefficients = fit_time_model(samples)
+    if coefficients is not None:
+        a, b, c = coefficients
+
+        def predict(n: int, length: int) -> float:
+            return a + b * n * length + c * n * length * length
+
+        plan = cheapest_batches(costs, max_items, max_tokens, predict)
+        results.append(_time_plan(loaded, items, plan, repeats, None))
+    best = min(results, key=lambda r: r[0])
+    compute_s, cpu_s, batches = best
+    padded = sum(len(b) * max(costs[i] for i in b) for b in batches)
+    other = [r for r in results if r is not best]
     return LimitResult(
         num_inputs=len(items),
         num_batches=len(batches),
@@ -81,7 +128,31 @@ def measure_limit(
         padding_ratio=padded / sum(costs),
         tokenize_s=tokenize_s,
         cpu_ms_per_input=cpu_s * 1e3 / len(items),
+        plan=LARGEST if best is results[0] else CHEAPEST,
+        other_plan_inputs_per_s=len(items) / other[0][0] if other else math.nan,
     )
+
+
+def _time_plan(
+    loaded: Model,
+    items: Sequence[Any],
+    batches: list[list[int]],
+    repeats: int,
+    samples: list[tuple[int, int, float]] | None,
+) -> tuple[float, float, list[list[int]]]:
+    """Wall and CPU seconds of one pass over ``batches`` (mean of ``repeats``); each batch's
+    shape and time go to ``samples`` when given."""
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        for batch in batches:
+            chunk = [items[i] for i in batch]
+            batch_started = time.perf_counter()
+            loaded.forward(chunk)
+            if samples is not None:
+                elapsed = time.perf_counter() - batch_started
+                samples.append((len(chunk), max(item.cost for item in chunk), elapsed))
+    wall = (time.perf_counter() - started) / repeats
+    return wall, (time.process_time() - cpu_started) / repeats, batches
 
 
 class Batch1Timer:

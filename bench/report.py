@@ -42,7 +42,7 @@ def load_table(result: BenchResult) -> str:
         "| mean batch | padding | queue wait ms | CPU ms/input | peak RSS MiB |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: "
         "| ---: |",
-        f"| limit | in-process, ideal batches | {limit.inputs_per_s:.1f} | - | - | - | - | - | 0 "
+        f"| limit | in-process, {limit.plan} | {limit.inputs_per_s:.1f} | - | - | - | - | - | 0 "
         f"| {limit.mean_batch_size:.1f} | {limit.padding_ratio:.2f} | - "
         f"| {_num(limit.cpu_ms_per_input, 2)} | - |",
     ]
@@ -101,10 +101,13 @@ def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
         "inputs); open-loop levels send Poisson arrivals with 10% bursts of 16 for "
         f"{o.duration_s:g} s. The limit runs the same inputs through `model.forward` in "
         f"ideal batches (sorted by length, at most {o.max_batch_size} items and "
-        f"{o.max_batch_tokens} padded tokens): {limit.num_batches} batches, "
-        f"{limit.compute_s:.2f} s of compute; tokenizing them took {limit.tokenize_s:.3f} s "
-        "more (not counted). Padding is padded / real tokens. Latencies are client-side, "
-        "over successful requests.",
+        f"{o.max_batch_tokens} padded tokens), planned with every input known in advance, "
+        "two ways: the largest batches the budget allows, and the cheapest split by a time "
+        "model fitted to those batches. The faster plan counts: "
+        f"{limit.plan}, {limit.num_batches} batches, {limit.compute_s:.2f} s of compute "
+        f"(the other plan: {_num(limit.other_plan_inputs_per_s)} inputs/s); tokenizing took "
+        f"{limit.tokenize_s:.3f} s more (not counted). Padding is padded / real tokens. "
+        "Latencies are client-side, over successful requests.",
         "",
         "## Throughput and latency by load level",
         "",

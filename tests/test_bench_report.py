@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.limit import LimitResult, ideal_batches
+from bench.limit import LimitResult, cheapest_batches, ideal_batches
 from bench.loadgen import Outcome
 from bench.report import load_table, render_markdown, write_report
 from bench.runner import BenchOptions, BenchResult, targets
@@ -77,6 +77,20 @@ def test_ideal_batches_are_sorted_and_as_big_as_the_budget_allows(
     assert ideal_batches(costs, max_items, max_tokens) == expected
 
 
+def test_cheapest_batches_cover_every_input_once_in_length_runs():
+    def seconds(n, length):
+        return 0.013 + 0.00025 * n * length
+
+    costs = [10, 30, 12, 10, 35, 200, 11] + [20] * 9
+    batches = cheapest_batches(costs, max_items=4, max_tokens=4096, predict_time=seconds)
+    assert sorted(i for b in batches for i in b) == list(range(len(costs)))
+    assert all(len(b) <= 4 for b in batches)
+    # The nine inputs of 20 tokens need three passes, three each: equal passes, not 4 + 4 + 1.
+    assert sorted(len(b) for b in batches if costs[b[0]] == 20) == [3, 3, 3]
+    # The long input is not padded onto short ones.
+    assert [costs[i] for b in batches if 5 in b for i in b] == [200]
+
+
 def make_result():
     result = BenchResult(options=BenchOptions(concurrency=(1, 16)), limit=LIMIT)
     result.summaries = [
@@ -107,7 +121,7 @@ def test_targets_are_ratios_against_the_limit_and_batching_off():
 def test_markdown_has_the_table_and_targets():
     text = render_markdown(make_result(), command="batchfit bench --quick", plots=True)
     assert "batchfit bench --quick" in text
-    assert "| limit | in-process, ideal batches | 200.0 |" in text
+    assert "| limit | in-process, largest batches | 200.0 |" in text
     assert "| adaptive | c=16 | 182.0 | 91.0 | 50.0 | 50.0 | 400.0 | 400.0 | 0 |" in text
     assert (
         "| p99 on vs off at the highest load | 400.0 vs 100.0 ms (c=16) | <= 1.00 | 4.00 |" in text

@@ -1,8 +1,9 @@
+import itertools
 import random
 
 import pytest
 
-from batching import BatchBudget, cheapest_window, plan_batch, split
+from batching import BatchBudget, cheapest_partition, cheapest_window, plan_batch, split
 
 
 def budget(items=8, tokens=1000, max_bytes=None, per_token=None):
@@ -100,19 +101,20 @@ def cpu_time(n, length):
 
 
 def brute_force_total(costs, per_batch, predict):
-    """The least total time over every partition of the sorted costs into runs."""
-    ordered = sorted(costs)
+    """The least total time over every split of the distinct lengths into runs (a run of
+    several lengths holds one batch at most; one length may take several passes)."""
+    lengths = sorted(set(costs))
 
     def best(start):
-        if start == len(ordered):
+        if start == len(lengths):
             return 0.0
         options = []
-        for end in range(start + 1, len(ordered) + 1):
-            n = end - start
-            if n > per_batch and ordered[start] != ordered[end - 1]:
+        for end in range(start + 1, len(lengths) + 1):
+            n = sum(1 for c in costs if lengths[start] <= c <= lengths[end - 1])
+            if end - start > 1 and n > per_batch:
                 break
             passes = -(-n // per_batch)
-            options.append(passes * predict(-(-n // passes), ordered[end - 1]) + best(end))
+            options.append(passes * predict(-(-n // passes), lengths[end - 1]) + best(end))
         return min(options)
 
     return best(0)
@@ -134,23 +136,22 @@ def test_cheapest_window(costs, window):
     assert cheapest_window(costs, budget(items=32, tokens=4096), cpu_time) == window
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_cheapest_window_is_part_of_an_optimal_partition(seed):
+@pytest.mark.parametrize("seed", range(8))
+def test_cheapest_partition_is_optimal(seed):
     rng = random.Random(seed)
-    costs = [rng.choice([rng.randint(8, 26)] * 3 + [rng.randint(57, 104)]) for _ in range(9)]
-    limits = budget(items=4, tokens=4096)
-    shortest, longest = cheapest_window(costs, limits, cpu_time)
-    assert shortest <= costs[0] <= longest
-    inside = [c for c in costs if shortest <= c <= longest]
-    below = [c for c in costs if c < shortest]
-    above = [c for c in costs if c > longest]
-    # The window's run plus the best partitions of what is left on each side is optimal.
-    passes = -(-len(inside) // 4)
-    total = (brute_force_total(below, 4, cpu_time) if below else 0.0) + passes * cpu_time(
-        -(-len(inside) // passes), longest
-    )
-    total += brute_force_total(above, 4, cpu_time) if above else 0.0
+    costs = [rng.choice([rng.randint(8, 26)] * 3 + [rng.randint(57, 104)]) for _ in range(10)]
+    runs = cheapest_partition(costs, budget(items=4, tokens=4096), cpu_time)
+    # Disjoint runs, in order, covering every length.
+    assert all(prev[1] < run[0] for prev, run in itertools.pairwise(runs))
+    assert all(any(a <= c <= b for a, b in runs) for c in costs)
+    total = 0.0
+    for shortest, longest in runs:
+        n = sum(1 for c in costs if shortest <= c <= longest)
+        passes = -(-n // 4)
+        total += passes * cpu_time(-(-n // passes), longest)
     assert total == pytest.approx(brute_force_total(costs, 4, cpu_time))
+    window = cheapest_window(costs, budget(items=4, tokens=4096), cpu_time)
+    assert window in runs and window[0] <= costs[0] <= window[1]
 
 
 def test_plan_batch_with_a_time_model_takes_only_the_window():
