@@ -77,6 +77,21 @@ def idle_table(idle: dict[str, LoadSummary], batch1_p50_s: dict[str, float]) -> 
     return "\n".join(lines)
 
 
+def _limit_drift(result: BenchResult) -> list[str]:
+    """The limit measured again before each configuration's highest level (the host drifts)."""
+    if not result.limit_before_top:
+        return []
+    again = ", ".join(
+        f"{config} {limit.inputs_per_s:.1f}" for config, limit in result.limit_before_top.items()
+    )
+    return [
+        f"The limit measured again just before each configuration's highest level: {again} "
+        "inputs/s. The saturation targets compare adaptive with the limit measured just "
+        "before it.",
+        "",
+    ]
+
+
 def target_table(rows: Sequence[Target]) -> str:
     lines = ["| target | measured | goal | ratio | met |", "| --- | --- | --- | ---: | --- |"]
     for t in rows:
@@ -113,6 +128,7 @@ def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
         "",
         load_table(result),
         "",
+        *_limit_drift(result),
         "## Idle latency",
         "",
         idle_table(result.idle, result.batch1_p50_s),

@@ -106,6 +106,15 @@ def make_result():
     return result
 
 
+def test_saturation_uses_the_limit_measured_just_before_adaptive():
+    result = make_result()
+    result.limit_before_top = {"adaptive": replace(LIMIT, inputs_per_s=182.0)}
+    by_name = {t.name: t for t in targets(result)}
+    assert by_name["saturation throughput vs in-process limit"].ratio == pytest.approx(1.0)
+    text = render_markdown(result, command="batchfit bench", plots=False)
+    assert "just before each configuration's highest level: adaptive 182.0 inputs/s" in text
+
+
 def test_targets_are_ratios_against_the_limit_and_batching_off():
     by_name = {t.name: t for t in targets(make_result())}
     saturation = by_name["saturation throughput vs in-process limit"]

@@ -24,6 +24,8 @@ def test_quick_bench_writes_the_report(tmp_path):
     # Both plans of ideal batches ran; the faster one is the limit.
     assert figures["limit"]["plan"] in ("largest batches", "cheapest split")
     assert 0 < figures["limit"]["other_plan_inputs_per_s"] <= figures["limit"]["inputs_per_s"]
+    # Measured again just before each configuration's highest load level.
+    assert set(figures["limit_before_top"]) == {"off", "adaptive"}
     assert set(figures["batch1_p50_s"]) == {"off", "adaptive"}
     assert all(p50 > 0 for p50 in figures["batch1_p50_s"].values())
     rows = {(s["config"], s["load"]): s for s in figures["summaries"]}
