@@ -70,7 +70,7 @@ class BenchResult:
     idle: dict[str, LoadSummary] = field(default_factory=dict)
     limit_before_top: dict[str, LimitResult] = field(default_factory=dict)
     """By configuration: the limit measured again just before its highest load level, so
-    the saturation ratio compares moments minutes apart on a noisy host no more."""
+    that the saturation ratio does not compare moments minutes apart on a noisy host."""
     batch1_p50_s: dict[str, float] = field(default_factory=dict)
     """By configuration: the median in-process forward of one input alone, timed between
     that configuration's one-client requests on the same inputs."""
