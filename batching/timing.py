@@ -45,9 +45,15 @@ class BatchTimeModel:
     def predict(self, num_items: int, padded_len: int) -> float:
         if self.coefficients is None:
             raise RuntimeError("the time model has not been fitted yet")
-        a, b, c = self.coefficients
-        tokens = num_items * padded_len
-        return a + b * tokens + c * tokens * padded_len
+        return predict_seconds(self.coefficients, num_items, padded_len)
+
+
+def predict_seconds(
+    coefficients: tuple[float, float, float], num_items: int, padded_len: int
+) -> float:
+    a, b, c = coefficients
+    tokens = num_items * padded_len
+    return a + b * tokens + c * tokens * padded_len
 
 
 def fit_time_model(

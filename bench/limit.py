@@ -9,6 +9,7 @@ batches are no cheaper per token, so padding is what counts.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from batching import BatchBudget, cheapest_partition, fit_time_model
 from batching.planner import TimePredictor
+from batching.timing import predict_seconds
 
 if TYPE_CHECKING:
     from models import Model
@@ -108,11 +110,7 @@ def measure_limit(
         samples.append((1, length, time.perf_counter() - started))
     coefficients = fit_time_model(samples)
     if coefficients is not None:
-        a, b, c = coefficients
-
-        def predict(n: int, length: int) -> float:
-            return a + b * n * length + c * n * length * length
-
+        predict = functools.partial(predict_seconds, coefficients)
         plan = cheapest_batches(costs, max_items, max_tokens, predict)
         results.append(_time_plan(loaded, items, plan, repeats, None))
     best = min(results, key=lambda r: r[0])
