@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from batching import CompositeProbe, HostProbe, NvmlProbe, ProbeError, TorchCudaProbe
-from batching.probes import cgroup_files, cgroup_room, kib_field, probes_for_device
+from batching.probes import probes_for_device
+from batching.procfs import cgroup_files, cgroup_room, kib_field
 
 # --- the host probe, against the real /proc of this machine ---
 

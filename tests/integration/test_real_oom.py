@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from batching.probes import kib_field
+from batching.procfs import kib_field
 from tests.reference import cosine, reference_embeddings
 from tests.servers import run_server
 
