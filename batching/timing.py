@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -57,7 +58,7 @@ def predict_seconds(
 
 
 def fit_time_model(
-    samples: deque[tuple[int, int, float]] | list[tuple[int, int, float]],
+    samples: Sequence[tuple[int, int, float]],
 ) -> tuple[float, float, float] | None:
     """Non-negative least squares over ``(n, L, seconds)`` samples, by trying each subset of
     the terms (three terms: seven fits) and keeping the best one whose coefficients are all
