@@ -14,12 +14,12 @@ from starlette.responses import Response
 from batching import Clock, MemoryProbe, Sizer
 from models import Model
 
-from . import kserve_v2, openai_api
 from .admin import make_admin_router
 from .auth import ApiKeyMiddleware
 from .errors import install_error_handlers
 from .metrics_server import serve_metrics
 from .middleware import RequestContextMiddleware
+from .protocols import kserve_v2, openai
 from .routes import metrics_response, router
 from .runtime import Runtime
 from .settings import Settings
@@ -85,7 +85,7 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(router)
-    app.include_router(openai_api.router)
+    app.include_router(openai.router)
     app.include_router(kserve_v2.router)
     if settings.admin_token is not None:
         app.include_router(make_admin_router(settings.admin_token.get_secret_value()))

@@ -17,11 +17,11 @@ from pydantic_settings import BaseSettings
 from bench.cli import add_bench_flags, bench
 
 from .app import create_app
-from .drain import DrainingServer
-from .launcher import REPLICA_ADDRESS_FIELDS, up
-from .nginx import UVICORN_KEEP_ALIVE_S
-from .plan import memory_plan
+from .runtime.drain import DrainingServer
+from .runtime.plan import memory_plan
 from .settings import LauncherSettings, Settings
+from .supervise.launcher import REPLICA_ADDRESS_FIELDS, up
+from .supervise.nginx import UVICORN_KEEP_ALIVE_S
 
 
 def add_settings_flags(

@@ -12,7 +12,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from server import Settings, create_app
-from server.drain import DrainingServer
+from server.runtime.drain import DrainingServer
 from tests.servers import free_port
 
 

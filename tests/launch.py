@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from server.nginx import NginxConfig, check_config, nginx_command, prepare_prefix, render
+from server.supervise.nginx import NginxConfig, check_config, nginx_command, prepare_prefix, render
 from tests.servers import ROOT, free_port
 
 _REPLICA_LINE = re.compile(

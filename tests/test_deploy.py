@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.nginx import (
+from server.settings import Settings
+from server.supervise.nginx import (
     COMPOSE_CONFIG_PATH,
     TEMPLATE_PATH,
     UPSTREAM_KEEP_ALIVE_S,
@@ -20,7 +21,6 @@ from server.nginx import (
     compose_config,
     render,
 )
-from server.settings import Settings
 from tests.launch import require_nginx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def seconds(value: str) -> float:
 def test_checked_in_compose_config_is_the_template_rendered():
     assert COMPOSE_CONFIG_PATH.read_text() == render(compose_config()), (
         "deploy/nginx/nginx.conf drifted from the template: rewrite it with "
-        "python -c 'from server.nginx import *; COMPOSE_CONFIG_PATH.write_text(render("
+        "python -c 'from server.supervise.nginx import *; COMPOSE_CONFIG_PATH.write_text(render("
         "compose_config()))'"
     )
 

@@ -1,8 +1,8 @@
 import pytest
 
 from server.cli import build_parser
-from server.launcher import REPLICA_ADDRESS_FIELDS, passthrough_argv, replica_environment
 from server.settings import LauncherSettings, Settings
+from server.supervise.launcher import REPLICA_ADDRESS_FIELDS, passthrough_argv, replica_environment
 
 
 def up_args(*argv):

@@ -11,8 +11,8 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from .errors import ApiError, to_api_error
-from .inference import ClientDisconnected
+from ..errors import ApiError, to_api_error
+from ..inference import ClientDisconnected
 
 ErrorRenderer = Callable[[Request, ApiError], Response]
 Handler = Callable[[Request], Awaitable[Response]]

@@ -36,9 +36,9 @@ from batching import (
 )
 from models import BatchProfiler, DeviceError, Model, ModelInfo, ModelOutOfMemory, load_model
 
-from .errors import ApiError, draining, not_ready
-from .metrics import ServerMetrics
-from .settings import Settings
+from ..errors import ApiError, draining, not_ready
+from ..metrics import ServerMetrics
+from ..settings import Settings
 from .tracking import WorkTracker
 
 log = logging.getLogger("batchfit")

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from batching import AdaptiveSizer, largest_batch
 
+from ..settings import Settings
 from .runtime import Runtime
-from .settings import Settings
 
 MiB = 2**20
 

@@ -27,6 +27,7 @@ from typing import IO
 import httpx
 from pydantic import ValidationError
 
+from ..settings import LauncherSettings, Settings
 from .nginx import (
     NginxConfig,
     check_config,
@@ -35,7 +36,6 @@ from .nginx import (
     read_timeout_for,
     render,
 )
-from .settings import LauncherSettings, Settings
 
 log = logging.getLogger("batchfit.launcher")
 _PR_SET_PDEATHSIG = 1

@@ -19,8 +19,8 @@ from starlette.responses import Response
 
 from models import ModelInfo
 
-from .errors import ApiError, not_ready, request_id_of
-from .inference import check_inputs, infer_for_request, runtime_of
+from ..errors import ApiError, not_ready, request_id_of
+from ..inference import check_inputs, infer_for_request, runtime_of
 from .kserve_schemas import (
     HEADER_LENGTH,
     REQUEST_BODY,
@@ -33,7 +33,7 @@ from .kserve_schemas import (
     ServerMetadata,
     V2Error,
 )
-from .protocol_routes import describe_pydantic, protocol_route, retry_headers
+from .routes import describe_pydantic, protocol_route, retry_headers
 
 INPUT_NAME = "text"
 MODEL_VERSION = "1"

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .settings import LauncherSettings, Settings
+from ..settings import LauncherSettings, Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_PATH = ROOT / "deploy" / "nginx" / "nginx.conf.template"
 COMPOSE_CONFIG_PATH = ROOT / "deploy" / "nginx" / "nginx.conf"
 COMPOSE_UPSTREAMS = ("replica-0:8000", "replica-1:8000")

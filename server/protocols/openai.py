@@ -15,9 +15,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from .errors import ApiError, not_ready, request_id_of
-from .inference import check_inputs, infer_for_request, runtime_of
-from .protocol_routes import protocol_route, retry_headers
+from ..errors import ApiError, not_ready, request_id_of
+from ..inference import check_inputs, infer_for_request, runtime_of
+from .routes import protocol_route, retry_headers
 
 OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error"}
 

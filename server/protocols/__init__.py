@@ -1,0 +1,1 @@
+"""Other wire formats (OpenAI embeddings, KServe v2) over the one inference path."""

@@ -1,0 +1,1 @@
+"""`batchfit up`: replicas and Nginx as processes, not requests."""
