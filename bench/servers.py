@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -122,17 +123,28 @@ def stop_replica(replica: Replica) -> None:
 def start_replicas(
     flag_lists: list[list[str]], *, log_dir: Path | None = None, ready_timeout_s: float = 180
 ) -> Iterator[list[Replica]]:
-    """Replicas started together (their start-ups overlap) and stopped with SIGTERM on exit."""
+    """Replicas started together (their start-ups overlap) and stopped with SIGTERM on exit.
+
+    Without ``log_dir`` their logs go to a new temporary folder, removed at exit unless
+    something failed (then it is kept for the post-mortem, and the error names it)."""
+    own_dir = log_dir is None
+    log_dir = Path(tempfile.mkdtemp(prefix="batchfit-bench-")) if log_dir is None else log_dir
     replicas: list[Replica] = []
+    failed = False
     try:
         for flags in flag_lists:
             replicas.append(launch_replica(flags, log_dir=log_dir))
         for replica in replicas:
             wait_ready(replica, ready_timeout_s)
         yield replicas
+    except BaseException:
+        failed = True
+        raise
     finally:
         for replica in replicas:
             stop_replica(replica)
+        if own_dir and not failed:
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

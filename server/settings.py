@@ -264,6 +264,28 @@ class LauncherSettings(BaseSettings):
     nginx: str = Field("nginx", description="The Nginx binary (open-source Nginx).")
     workdir: Path | None = Field(
         None,
-        description="Folder for the Nginx prefix, config and logs (kept); by default a "
-        "temporary folder removed at exit.",
+        description="Folder for the Nginx prefix, config and logs; by default a new "
+        "batchfit-up-* folder in the temporary directory, printed at start and at exit.",
+    )
+    keep_logs: bool = Field(
+        True,
+        description="Keep the work folder (config and logs) at exit; --no-keep-logs removes "
+        "it when it was created by the launcher (a --workdir is always kept).",
+    )
+    restart: bool = Field(
+        True,
+        description="Restart a replica that exits or is killed (for example by the kernel's "
+        "OOM killer); Nginx sends its traffic to the others meanwhile.",
+    )
+    restart_backoff_s: float = Field(
+        1.0, gt=0, description="Wait before the first restart; doubles after each quick death."
+    )
+    restart_backoff_max_s: float = Field(
+        30.0, gt=0, description="Longest wait between restarts of one replica."
+    )
+    restart_reset_s: float = Field(
+        60.0,
+        gt=0,
+        description="A replica that stays up this long is healthy again: its next restart "
+        "waits restart_backoff_s again.",
     )

@@ -2,7 +2,13 @@ import pytest
 
 from server.cli import build_parser
 from server.settings import LauncherSettings, Settings
-from server.supervise.launcher import REPLICA_ADDRESS_FIELDS, passthrough_argv, replica_environment
+from server.supervise.launcher import (
+    REPLICA_ADDRESS_FIELDS,
+    describe_exit,
+    next_backoff,
+    passthrough_argv,
+    replica_environment,
+)
 
 
 def up_args(*argv):
@@ -68,3 +74,33 @@ def test_missing_nginx_fails_before_starting_anything(tmp_path, caplog):
     assert main(["up", "--nginx", str(tmp_path / "no-nginx"), "--workdir", str(workdir)]) == 1
     assert "no-nginx' binary found" in caplog.text
     assert not list(workdir.glob("replica-*.log"))  # no replica was started
+
+
+@pytest.mark.parametrize(
+    ("returncode", "said"),
+    [
+        (0, "exited with 0"),
+        (1, "exited with 1"),
+        (-9, "exited with -9 (killed by SIGKILL (the kernel's OOM killer sends this one))"),
+        (-15, "exited with -15 (killed by SIGTERM)"),
+        (-200, "exited with -200 (killed by signal 200)"),
+    ],
+)
+def test_describe_exit_names_the_signal(returncode, said):
+    assert describe_exit(returncode) == said
+
+
+@pytest.mark.parametrize(
+    ("previous_s", "uptime_s", "expected_s"),
+    [
+        (0.0, 0.5, 1.0),  # first death: the first wait
+        (1.0, 2.0, 2.0),  # died again quickly: doubled
+        (16.0, 2.0, 30.0),  # capped
+        (30.0, 2.0, 30.0),
+        (16.0, 61.0, 1.0),  # up longer than the reset time: healthy again
+    ],
+)
+def test_restart_backoff_doubles_caps_and_resets(previous_s, uptime_s, expected_s):
+    assert next_backoff(previous_s, uptime_s, first_s=1.0, max_s=30.0, reset_after_s=60.0) == (
+        expected_s
+    )

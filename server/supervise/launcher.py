@@ -52,6 +52,13 @@ class Child:
     log_path: Path
     url: str = ""
     metrics_url: str = ""
+    argv: tuple[str, ...] = ()
+    env: dict[str, str] | None = None
+    started_s: float = 0.0
+    num_restarts: int = 0
+    backoff_s: float = 0.0  # the wait before the next restart; 0 until the first death
+    restart_at_s: float | None = None  # set while dead and waiting to be restarted
+    ready: bool = False
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -114,6 +121,29 @@ def replica_environment(num_replicas: int) -> dict[str, str]:
     return env
 
 
+def describe_exit(returncode: int | None) -> str:
+    """``exited with 1`` or ``exited with -9 (killed by SIGKILL)``: what a supervisor logs."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        why = " (the kernel's OOM killer sends this one)" if returncode == -signal.SIGKILL else ""
+        return f"exited with {returncode} (killed by {name}{why})"
+    return f"exited with {returncode}"
+
+
+def next_backoff(previous_s: float, uptime_s: float, *, first_s: float, max_s: float,
+                 reset_after_s: float) -> float:  # fmt: skip
+    """The wait before restarting a replica that just died after ``uptime_s`` up: the first
+    wait again after a long healthy run, otherwise double the previous one, capped."""
+    if previous_s <= 0 or uptime_s >= reset_after_s:
+        return first_s
+    return min(max_s, previous_s * 2)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -146,6 +176,7 @@ class Launcher:
         prefix = Path(tempfile.mkdtemp(prefix="batchfit-up-")) if temporary else Path(workdir)
         prefix = prefix.resolve()
         prefix.mkdir(parents=True, exist_ok=True)
+        self._say(f"batchfit up: config and logs in {prefix}")
         try:
             self._start(prefix)
             self._say(f"batchfit up: http://{self._public_host()}:{self.settings.port} "
@@ -158,8 +189,7 @@ class Launcher:
             self._stop_all()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            if temporary:
-                shutil.rmtree(prefix, ignore_errors=True)
+            self._report_stop(prefix, remove=temporary and not self.settings.keep_logs)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop_requested.set()
@@ -172,9 +202,10 @@ class Launcher:
         return "127.0.0.1" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
 
     def _spawn(
-        self, argv: list[str], log_path: Path, env: dict[str, str] | None = None
-    ) -> subprocess.Popen:
-        with open(log_path, "wb") as log_file:
+        self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+        *, append: bool = False,
+    ) -> subprocess.Popen:  # fmt: skip
+        with open(log_path, "ab" if append else "wb") as log_file:
             return subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=_die_with_parent, env=env,
@@ -191,13 +222,14 @@ class Launcher:
         for index in range(self.settings.replicas):
             port, metrics_port = free_port(), free_port()
             log_path = prefix / f"replica-{index}.log"
-            argv = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
+            argv = (sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
                     "--port", str(port), "--metrics-port", str(metrics_port),
-                    *self.replica_argv]  # fmt: skip
+                    *self.replica_argv)  # fmt: skip
             child = Child(
-                f"replica-{index}", self._spawn(argv, log_path, env), log_path,
+                f"replica-{index}", self._spawn(list(argv), log_path, env), log_path,
                 url=f"http://127.0.0.1:{port}",
                 metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+                argv=argv, env=env, started_s=time.monotonic(),
             )  # fmt: skip
             self.replicas.append(child)
             self._say(f"{child.name}: {child.url} pid {child.process.pid} "
@@ -246,6 +278,7 @@ class Launcher:
                     with contextlib.suppress(httpx.TransportError):
                         if client.get(f"{child.url}/health/ready").status_code == 200:
                             waiting.remove(child)
+                            child.ready = True
                             self._say(f"{child.name}: ready")
                 if waiting and time.monotonic() > deadline:
                     names = ", ".join(child.name for child in waiting)
@@ -272,22 +305,77 @@ class Launcher:
                 self.stop_requested.wait(POLL_S)
 
     def _supervise(self) -> int:
-        """Wait for Ctrl-C/SIGTERM. A dead replica is reported (Nginx routes around it); a dead
-        Nginx ends the launch."""
+        """Wait for Ctrl-C/SIGTERM. A dead replica is reported and restarted with backoff
+        (Nginx routes around it meanwhile); a dead Nginx ends the launch."""
         assert self.nginx is not None
-        reported: set[str] = set()
-        while not self.stop_requested.wait(POLL_S):
-            if not self.nginx.alive():
-                log.error("nginx exited with %s:\n%s", self.nginx.process.returncode,
-                          self.nginx.log_tail())  # fmt: skip
-                return 1
-            for child in self.replicas:
-                if child.name not in reported and not child.alive():
-                    reported.add(child.name)
-                    log.warning("%s exited with %s; nginx sends its traffic to the others",
-                                child.name, child.process.returncode)  # fmt: skip
+        with httpx.Client(timeout=2) as client:
+            while not self.stop_requested.wait(POLL_S):
+                if not self.nginx.alive():
+                    log.error("nginx exited with %s:\n%s", self.nginx.process.returncode,
+                              self.nginx.log_tail())  # fmt: skip
+                    return 1
+                for child in self.replicas:
+                    self._watch(child, client)
         self._say("batchfit up: stopping")
         return 0
+
+    def _watch(self, child: Child, client: httpx.Client) -> None:
+        now = time.monotonic()
+        if child.alive():
+            if not child.ready:
+                with contextlib.suppress(httpx.TransportError):
+                    if client.get(f"{child.url}/health/ready").status_code == 200:
+                        child.ready = True
+                        self._say(f"{child.name}: ready again (pid {child.process.pid}, "
+                                  f"restart {child.num_restarts})")  # fmt: skip
+            return
+        if child.restart_at_s is not None:
+            if now >= child.restart_at_s:
+                self._restart(child)
+            return
+        # Just found dead.
+        child.ready = False
+        uptime_s = now - child.started_s
+        how = describe_exit(child.process.returncode)
+        if not self.settings.restart:
+            child.restart_at_s = float("inf")
+            log.warning("%s (pid %d) %s after %.0fs up; nginx sends its traffic to the others; "
+                        "not restarted (--no-restart)", child.name, child.process.pid, how,
+                        uptime_s)  # fmt: skip
+            return
+        child.backoff_s = next_backoff(
+            child.backoff_s, uptime_s, first_s=self.settings.restart_backoff_s,
+            max_s=self.settings.restart_backoff_max_s, reset_after_s=self.settings.restart_reset_s,
+        )  # fmt: skip
+        child.restart_at_s = now + child.backoff_s
+        log.warning("%s (pid %d) %s after %.0fs up; nginx sends its traffic to the others; "
+                    "restarting it in %.1fs. Its log: %s\n%s", child.name, child.process.pid,
+                    how, uptime_s, child.backoff_s, child.log_path,
+                    child.log_tail(10))  # fmt: skip
+
+    def _restart(self, child: Child) -> None:
+        child.num_restarts += 1
+        child.restart_at_s = None
+        child.started_s = time.monotonic()
+        with open(child.log_path, "ab") as log_file:
+            log_file.write(f"--- batchfit up: restart {child.num_restarts} ---\n".encode())
+        child.process = self._spawn(list(child.argv), child.log_path, child.env, append=True)
+        self._say(f"{child.name}: restarted, pid {child.process.pid} "
+                  f"(restart {child.num_restarts})")  # fmt: skip
+
+    def _report_stop(self, prefix: Path, *, remove: bool) -> None:
+        """Say what was stopped, how each process ended and where its logs are."""
+        children = ([self.nginx] if self.nginx is not None else []) + self.replicas
+        for child in children:
+            code = child.process.returncode
+            restarts = f", restarted {child.num_restarts}x" if child.num_restarts else ""
+            self._say(f"batchfit up: stopped {child.name} (pid {child.process.pid}, "
+                      f"exit code {code}{restarts}); log {child.log_path}")  # fmt: skip
+        if remove:
+            shutil.rmtree(prefix, ignore_errors=True)
+            self._say(f"batchfit up: removed {prefix} (--no-keep-logs)")
+        else:
+            self._say(f"batchfit up: logs kept in {prefix}")
 
     def _stop_all(self) -> None:
         # Nginx first (graceful: finishes the requests it is proxying), then every replica at

@@ -10,7 +10,7 @@ import signal
 import httpx
 import pytest
 
-from tests.launch import pid_exists, run_launcher, start_launcher, stop, wait_up
+from tests.launch import pid_exists, run_launcher, start_launcher, stop, wait_for_output, wait_up
 from tests.loadrun import LoadRun, access_log, load_run, served_by, shares
 
 pytestmark = pytest.mark.integration
@@ -23,7 +23,7 @@ VICTIM = "replica-1"
 def test_sigkill_mid_run_no_client_sees_a_failure(tmp_path):
     with run_launcher(
         tmp_path, "--max-batch-size", "8", "--rate-limit-rps", "1000",
-        "--rate-limit-burst", "1000", replicas=3,
+        "--rate-limit-burst", "1000", "--no-restart", replicas=3,
     ) as cluster:  # fmt: skip
         _, victim_pid = cluster.replicas[VICTIM]
         victim = cluster.address(VICTIM)
@@ -81,7 +81,36 @@ def test_sigkill_mid_run_no_client_sees_a_failure(tmp_path):
           f"{survivors}")  # fmt: skip
     for name in survivors:
         assert figures[name] > figures[VICTIM]
-    assert f"{VICTIM} exited with -9" in cluster.errors()
+    assert re.search(rf"{VICTIM} \(pid {victim_pid}\) exited with -9 \(killed by SIGKILL",
+                     cluster.errors())  # fmt: skip
+    assert "not restarted (--no-restart)" in cluster.errors()
+
+
+def test_a_killed_replica_is_restarted_while_nginx_serves_from_the_other(tmp_path):
+    with run_launcher(tmp_path, "--max-batch-size", "4", "--restart-backoff-s", "0.5",
+                      replicas=2) as cluster:  # fmt: skip
+        _, victim_pid = cluster.replicas[VICTIM]
+        os.kill(victim_pid, signal.SIGKILL)
+        # While it is dead, waiting and loading again, every request is answered.
+        run = asyncio.run(load_run(cluster.url, requests=40, clients=2, prefix="restart"))
+        match = wait_for_output(cluster, rf"^{VICTIM}: ready again \(pid (\d+), restart 1\)",
+                                timeout_s=120)  # fmt: skip
+        new_pid = int(match.group(1))
+        ready = httpx.get(f"{cluster.replicas[VICTIM][0]}/health/ready", timeout=10)
+        entries = access_log(cluster.access_log_path, "restart")
+    assert run.failures == [], run.failures[:5]
+    assert len(entries) == 40 and all(e["status"] == 200 for e in entries.values())
+    assert new_pid != victim_pid and ready.status_code == 200
+    errors = cluster.errors()
+    assert re.search(rf"{VICTIM} \(pid {victim_pid}\) exited with -9 \(killed by SIGKILL\b",
+                     errors)  # fmt: skip
+    assert "restarting it in 0.5s" in errors
+    # The stop report names every process, its exit code and where the logs are.
+    output = cluster.output()
+    assert re.search(rf"stopped {VICTIM} \(pid {new_pid}, exit code 0, restarted 1x\)", output)
+    assert re.search(r"stopped replica-0 \(pid \d+, exit code 0\)", output)
+    assert re.search(r"stopped nginx \(pid \d+, exit code 0\)", output)
+    assert f"logs kept in {cluster.workdir.resolve()}" in output
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
