@@ -119,7 +119,8 @@ def test_bad_input_on_the_real_model(keyed_server, body, status, error_type):
     assert after.status_code == 200
 
 
-def test_absurd_timeout_is_capped_on_the_real_model(keyed_server):
+def test_absurd_timeout_is_accepted_on_the_real_model(keyed_server):
+    """A huge timeout is served, not refused (the capped deadline it gets: test_guards)."""
     for body in ({"inputs": "a", "timeout_s": 1e300}, {"inputs": "a"}):
         headers = {**AUTH, "X-Timeout-S": "1e308"}
         response = httpx.post(f"{keyed_server.url}/v1/infer", json=body, headers=headers)
