@@ -112,3 +112,21 @@ class ScriptedProbe:
 
     def release_cache(self) -> None:
         self.released += 1
+
+
+class LoopBreakingModel(ScriptedModel):
+    """Breaks the contract where the batcher loop trusts it: for the input ``BREAK_THE_LOOP``,
+    ``forward`` returns None instead of a list, so the loop itself fails (not a forward pass)."""
+
+    def forward(self, items: Sequence[Item]) -> list[Any]:
+        if any(item.data == BREAK_THE_LOOP for item in items):
+            return None  # type: ignore[return-value]
+        return super().forward(items)
+
+
+BREAK_THE_LOOP = "break the loop"
+
+
+def loop_breaking_model() -> LoopBreakingModel:
+    """Entry point for ``--model python:tests.fakes:loop_breaking_model``."""
+    return LoopBreakingModel()
