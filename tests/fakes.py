@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from batching import MemoryReading
@@ -130,3 +133,16 @@ BREAK_THE_LOOP = "break the loop"
 def loop_breaking_model() -> LoopBreakingModel:
     """Entry point for ``--model python:tests.fakes:loop_breaking_model``."""
     return LoopBreakingModel()
+
+
+HOLD_LOAD_ENV = "BATCHFIT_TEST_HOLD_LOAD"
+
+
+def held_loading_model() -> ScriptedModel:
+    """Entry point whose load waits (at most 60 s) until the file named by
+    ``$BATCHFIT_TEST_HOLD_LOAD`` exists: a replica caught before its model has loaded."""
+    release = Path(os.environ[HOLD_LOAD_ENV])
+    deadline = time.monotonic() + 60
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return ScriptedModel()
