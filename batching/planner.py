@@ -127,6 +127,10 @@ def cheapest_partition(
     run costs one pass padded to its longest, or ``k`` passes if the budget takes at most
     ``1/k`` of its items at once. Runs over several lengths are capped at one full batch
     (more would be better split by length), so it costs O(lengths x items per batch).
+    With every length distinct this is the cheapest of all ways to batch the queue; with
+    repeated lengths it is the cheapest that keeps each length in one run (a window of
+    lengths cannot send some items of a length to one batch and the rest to another, which
+    can save a pass).
     """
     counts: dict[int, int] = {}
     for cost in costs:

@@ -23,8 +23,11 @@ def tiny_bert_config(**overrides: object) -> BertConfig:
     return BertConfig(**base)
 
 
-def save_tiny_model(folder: Path, *, task: str = "embed", seed: int = 0) -> Path:
-    """Write a tiny BERT with random weights and the bundled tokenizer to ``folder``."""
+def save_tiny_model(
+    folder: Path, *, task: str = "embed", seed: int = 0, **overrides: object
+) -> Path:
+    """Write a tiny BERT with random weights and the bundled tokenizer to ``folder``;
+    ``overrides`` change the config (``initializer_range=1.0``: outputs that vary by input)."""
     torch.manual_seed(seed)
     if task == "classify":
         config = tiny_bert_config(
@@ -32,10 +35,11 @@ def save_tiny_model(folder: Path, *, task: str = "embed", seed: int = 0) -> Path
             id2label={0: "negative", 1: "neutral", 2: "positive"},
             label2id={"negative": 0, "neutral": 1, "positive": 2},
             architectures=["BertForSequenceClassification"],
+            **overrides,
         )
         module = BertForSequenceClassification(config)
     else:
-        config = tiny_bert_config(architectures=["BertModel"])
+        config = tiny_bert_config(architectures=["BertModel"], **overrides)
         module = BertModel(config)
     folder.mkdir(parents=True, exist_ok=True)
     module.save_pretrained(folder, safe_serialization=True)

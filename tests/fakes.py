@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from batching import MemoryReading
@@ -112,3 +115,34 @@ class ScriptedProbe:
 
     def release_cache(self) -> None:
         self.released += 1
+
+
+class LoopBreakingModel(ScriptedModel):
+    """Breaks the contract where the batcher loop trusts it: for the input ``BREAK_THE_LOOP``,
+    ``forward`` returns None instead of a list, so the loop itself fails (not a forward pass)."""
+
+    def forward(self, items: Sequence[Item]) -> list[Any]:
+        if any(item.data == BREAK_THE_LOOP for item in items):
+            return None  # type: ignore[return-value]
+        return super().forward(items)
+
+
+BREAK_THE_LOOP = "break the loop"
+
+
+def loop_breaking_model() -> LoopBreakingModel:
+    """Entry point for ``--model python:tests.fakes:loop_breaking_model``."""
+    return LoopBreakingModel()
+
+
+HOLD_LOAD_ENV = "BATCHFIT_TEST_HOLD_LOAD"
+
+
+def held_loading_model() -> ScriptedModel:
+    """Entry point whose load waits (at most 60 s) until the file named by
+    ``$BATCHFIT_TEST_HOLD_LOAD`` exists: a replica caught before its model has loaded."""
+    release = Path(os.environ[HOLD_LOAD_ENV])
+    deadline = time.monotonic() + 60
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return ScriptedModel()

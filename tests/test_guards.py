@@ -176,20 +176,57 @@ async def test_more_bad_input(registry, kwargs, status, error_type):
 
 
 @pytest.mark.parametrize(
-    ("body", "headers"),
+    ("body", "headers", "deadline_s"),
     [
-        ({"inputs": "a", "timeout_s": 1e300}, {}),
-        ({"inputs": "a"}, {"X-Timeout-S": "1e300"}),
-        ({"inputs": "a", "timeout_s": 1e-300}, {"X-Timeout-S": "50"}),
+        pytest.param({}, {}, 2, id="default"),
+        pytest.param({"timeout_s": 1e300}, {}, 5, id="body-capped"),
+        pytest.param({}, {"X-Timeout-S": "1e300"}, 5, id="header-capped"),
+        pytest.param({"timeout_s": 1e300}, {"X-Timeout-S": "1e308"}, 5, id="both-capped"),
+        pytest.param({"timeout_s": 0.75}, {"X-Timeout-S": "3"}, 0.75, id="smaller-body-wins"),
+        pytest.param({"timeout_s": 3}, {"X-Timeout-S": "0.75"}, 0.75, id="smaller-header-wins"),
     ],
-)
-async def test_absurd_timeouts_are_capped_or_time_out(registry, body, headers):
-    async with running(ScriptedModel(), registry, default_timeout_s=5, max_timeout_s=5) as client:
-        response = await client.post("/v1/infer", json=body, headers=headers)
-    if body.get("timeout_s") == 1e-300:
-        assert_error(response, 504, "deadline_exceeded")
-    else:
-        assert response.json()["outputs"] == ["out:a"]
+)  # fmt: skip
+async def test_effective_deadline_is_the_smaller_ask_capped(registry, body, headers, deadline_s):
+    """The deadline a queued item carries: the smaller of body and header, capped at
+    max_timeout_s, the default when neither asks."""
+    gate = threading.Event()
+    gate.set()
+    model = ScriptedModel(gate=gate)
+    settings = Settings(sizer="fixed", default_timeout_s=2, max_timeout_s=5)
+    app = create_app(settings, model=model, registry=registry)
+    runtime = app.state.runtime
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client,
+    ):
+        async with asyncio.timeout(TIMEOUT):
+            while not runtime.ready:
+                await asyncio.sleep(0.01)
+        gate.clear()
+        model.entered.clear()
+        blocker = asyncio.create_task(client.post("/v1/infer", json={"inputs": "blocker"}))
+        assert await asyncio.to_thread(model.entered.wait, TIMEOUT)
+        asked = asyncio.create_task(
+            client.post("/v1/infer", json={"inputs": "a", **body}, headers=headers)
+        )
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                while not runtime.queue.waiting():
+                    await asyncio.sleep(0.005)
+            (queued,) = runtime.queue.waiting()
+            assert queued.deadline_s - queued.arrival_s == pytest.approx(deadline_s)
+        finally:
+            gate.set()
+        assert (await blocker).status_code == 200
+        assert (await asyncio.wait_for(asked, TIMEOUT)).json()["outputs"] == ["out:a"]
+
+
+async def test_tiny_body_timeout_under_a_larger_header_is_504(registry):
+    async with running(ScriptedModel(), registry) as client:
+        response = await client.post(
+            "/v1/infer", json={"inputs": "a", "timeout_s": 1e-300}, headers={"X-Timeout-S": "50"}
+        )
+    assert_error(response, 504, "deadline_exceeded")
 
 
 async def test_header_deadline_passed_while_queued_is_504(registry):

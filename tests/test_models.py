@@ -1,5 +1,7 @@
+import httpx
 import pytest
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from models import (
     InputTooLong,
@@ -12,6 +14,7 @@ from models import (
 )
 from models.errors import requested_bytes
 from models.testing import save_tiny_model
+from tests.inprocess import serve_in_thread
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +24,39 @@ def tiny_embedder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_classifier(tmp_path_factory):
-    folder = save_tiny_model(tmp_path_factory.mktemp("tiny-cls"), task="classify")
-    return load_model(ModelSpec(model=str(folder), device="cpu"))
+def classifier_folder(tmp_path_factory):
+    # A wide initial range, so that the label and score vary with the input.
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tiny-cls"), task="classify", initializer_range=1.0
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_classifier(classifier_folder):
+    return load_model(ModelSpec(model=str(classifier_folder), device="cpu"))
+
+
+# Chosen so that this random-weight classifier gives each of its three labels at least once.
+CLASSIFIER_TEXTS = [
+    "good",
+    "bad movie",
+    "an utterly forgettable film, long and slow",
+    "I loved every minute",
+]
+
+
+def transformers_classification(folder, texts):
+    """transformers' own forward pass and softmax, one text at a time (no padding)."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    module = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    answers = []
+    for text in texts:
+        with torch.inference_mode():
+            logits = module(**tokenizer(text, return_tensors="pt")).logits[0]
+        probs = torch.softmax(logits, dim=-1)
+        best = int(probs.argmax())
+        answers.append({"label": module.config.id2label[best], "score": float(probs[best])})
+    return answers
 
 
 def test_embedding_outputs_are_normalised_and_batch_independent(tiny_embedder):
@@ -39,13 +72,25 @@ def test_embedding_outputs_are_normalised_and_batch_independent(tiny_embedder):
         assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), atol=1e-5)
 
 
-def test_classifier_outputs_label_and_score(tiny_classifier):
+def test_classifier_matches_transformers_forward_and_softmax(tiny_classifier, classifier_folder):
     assert tiny_classifier.info.task == "classify"
-    outputs = tiny_classifier.forward(tiny_classifier.prepare(["good", "bad movie"], truncate=True))
-    assert len(outputs) == 2
-    for output in outputs:
-        assert output["label"] in {"negative", "neutral", "positive"}
-        assert 1 / 3 <= output["score"] <= 1.0
+    expected = transformers_classification(classifier_folder, CLASSIFIER_TEXTS)
+    outputs = tiny_classifier.forward(tiny_classifier.prepare(CLASSIFIER_TEXTS, truncate=True))
+    assert [o["label"] for o in outputs] == [e["label"] for e in expected]
+    assert [o["score"] for o in outputs] == pytest.approx([e["score"] for e in expected], abs=1e-5)
+    assert {e["label"] for e in expected} == {"negative", "neutral", "positive"}
+
+
+def test_classifier_served_over_http(tiny_classifier, classifier_folder):
+    expected = transformers_classification(classifier_folder, CLASSIFIER_TEXTS)
+    with serve_in_thread(tiny_classifier) as server:
+        response = httpx.post(
+            f"{server.url}/v1/infer", json={"inputs": CLASSIFIER_TEXTS}, timeout=30
+        )
+    assert response.status_code == 200, response.text
+    outputs = response.json()["outputs"]
+    assert [o["label"] for o in outputs] == [e["label"] for e in expected]
+    assert [o["score"] for o in outputs] == pytest.approx([e["score"] for e in expected], abs=1e-5)
 
 
 def test_truncation_and_too_long(tiny_embedder):

@@ -100,24 +100,53 @@ def cpu_time(n, length):
     return 0.013 + 0.00025 * n * length + 0.0000004 * n * length * length
 
 
-def brute_force_total(costs, per_batch, predict):
-    """The least total time over every split of the distinct lengths into runs (a run of
-    several lengths holds one batch at most; one length may take several passes)."""
+def set_partitions(items):
+    """Every way to split ``items`` into non-empty batches (Bell(n) of them)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in set_partitions(rest):
+        yield [[first], *partition]
+        for i in range(len(partition)):
+            yield [*partition[:i], [first, *partition[i]], *partition[i + 1 :]]
+
+
+def best_set_partition_total(costs, limits, predict):
+    """The least total time over every set partition of the queue whose batches fit."""
+    return min(
+        sum(predict(len(batch), max(batch)) for batch in partition)
+        for partition in set_partitions(list(costs))
+        if all(limits.fits(len(batch), max(batch)) for batch in partition)
+    )
+
+
+def runs_total(costs, runs, per_batch, predict):
+    """The time ``cheapest_partition`` counts for its runs: one pass for a run, or ``k``
+    equal passes for a run of one length that holds more than a batch."""
+    total = 0.0
+    for shortest, longest in runs:
+        n = sum(1 for c in costs if shortest <= c <= longest)
+        passes = -(-n // per_batch)
+        total += passes * predict(-(-n // passes), longest)
+    return total
+
+
+def best_length_runs_total(costs, per_batch, predict):
+    """The least ``runs_total`` over every way to cut the sorted distinct lengths into runs
+    (all 2^(d-1) of them), where a run of several lengths holds one batch at most."""
     lengths = sorted(set(costs))
-
-    def best(start):
-        if start == len(lengths):
-            return 0.0
-        options = []
-        for end in range(start + 1, len(lengths) + 1):
-            n = sum(1 for c in costs if lengths[start] <= c <= lengths[end - 1])
-            if end - start > 1 and n > per_batch:
-                break
-            passes = -(-n // per_batch)
-            options.append(passes * predict(-(-n // passes), lengths[end - 1]) + best(end))
-        return min(options)
-
-    return best(0)
+    totals = []
+    for cuts in itertools.product((False, True), repeat=len(lengths) - 1):
+        runs, first = [], 0
+        for i, cut in enumerate(cuts, start=1):
+            if cut:
+                runs.append((lengths[first], lengths[i - 1]))
+                first = i
+        runs.append((lengths[first], lengths[-1]))
+        if all(a == b or sum(1 for c in costs if a <= c <= b) <= per_batch for a, b in runs):
+            totals.append(runs_total(costs, runs, per_batch, predict))
+    return min(totals)
 
 
 @pytest.mark.parametrize(
@@ -137,21 +166,50 @@ def test_cheapest_window(costs, window):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_cheapest_partition_is_optimal(seed):
+@pytest.mark.parametrize(("items", "tokens"), [(3, 4096), (4, 250), (8, 300)])
+def test_cheapest_partition_is_optimal_over_every_set_partition_of_distinct_lengths(
+    seed, items, tokens
+):
+    """With no two items of one length, no way at all to batch the queue (within the
+    budget) is cheaper than the runs the planner picks."""
     rng = random.Random(seed)
-    costs = [rng.choice([rng.randint(8, 26)] * 3 + [rng.randint(57, 104)]) for _ in range(10)]
+    costs = rng.sample([*range(8, 27), *range(57, 105)], 8)
+    limits = budget(items=items, tokens=tokens)
+    runs = cheapest_partition(costs, limits, cpu_time)
+    assert all(prev[1] < run[0] for prev, run in itertools.pairwise(runs))
+    assert sorted(c for c in costs if any(a <= c <= b for a, b in runs)) == sorted(costs)
+    total = sum(cpu_time(sum(1 for c in costs if a <= c <= b), b) for a, b in runs)
+    assert all(limits.fits(sum(1 for c in costs if a <= c <= b), b) for a, b in runs)
+    assert total == pytest.approx(best_set_partition_total(costs, limits, cpu_time), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_cheapest_partition_is_the_best_split_into_length_runs(seed):
+    """With repeated lengths, the planner keeps every length in one run (a window of
+    lengths is all a batch can be asked to take): the best of those splits, found by
+    trying every one."""
+    rng = random.Random(seed)
+    lengths = [*rng.sample(range(8, 27), 3), *rng.sample(range(57, 105), 2)]
+    costs = [rng.choice(lengths) for _ in range(14)]  # some lengths fill more than a batch
     runs = cheapest_partition(costs, budget(items=4, tokens=4096), cpu_time)
     # Disjoint runs, in order, covering every length.
     assert all(prev[1] < run[0] for prev, run in itertools.pairwise(runs))
     assert all(any(a <= c <= b for a, b in runs) for c in costs)
-    total = 0.0
-    for shortest, longest in runs:
-        n = sum(1 for c in costs if shortest <= c <= longest)
-        passes = -(-n // 4)
-        total += passes * cpu_time(-(-n // passes), longest)
-    assert total == pytest.approx(brute_force_total(costs, 4, cpu_time))
+    total = runs_total(costs, runs, 4, cpu_time)
+    assert total == pytest.approx(best_length_runs_total(costs, 4, cpu_time), rel=1e-12)
     window = cheapest_window(costs, budget(items=4, tokens=4096), cpu_time)
     assert window in runs and window[0] <= costs[0] <= window[1]
+
+
+def test_length_runs_can_miss_a_split_of_one_length():
+    """The limit of the claim: splitting one length between two batches can save a pass."""
+    costs = [12, 12, 15, 15, 16, 16, 58, 85]
+    limits = budget(items=3, tokens=4096)
+    runs = cheapest_partition(costs, limits, cpu_time)
+    assert runs == [(12, 12), (15, 15), (16, 16), (58, 85)]
+    best = best_set_partition_total(costs, limits, cpu_time)  # {12,12,15} {15,16,16} {58,85}
+    assert best == pytest.approx(cpu_time(3, 15) + cpu_time(3, 16) + cpu_time(2, 85), rel=1e-12)
+    assert runs_total(costs, runs, 3, cpu_time) > best
 
 
 def test_plan_batch_with_a_time_model_takes_only_the_window():

@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 
 from batching import BatchTimeModel, fit_time_model
@@ -33,7 +34,19 @@ def test_fit_keeps_coefficients_non_negative():
     # Time falls with size here (no real model does this): the fit may not go negative.
     samples = [(n, 16, 0.05 / n) for n in (1, 2, 4, 8)] + [(1, 64, 0.05), (2, 64, 0.04)]
     fitted = fit_time_model(samples)
-    assert fitted is None or min(fitted) >= 0
+    assert fitted is not None and min(fitted) >= 0
+
+    def relative_error(a, b, c):
+        n, length, t = (np.asarray(column, dtype=float) for column in zip(*samples, strict=True))
+        predicted = a + b * n * length + c * n * length * length
+        return ((predicted / t - 1) ** 2).sum(axis=-1)
+
+    # No non-negative (a, b, c) on a grid fits better than the fit did.
+    a, b, c = np.meshgrid(
+        np.linspace(0, 0.06, 61), np.linspace(0, 0.002, 41), np.linspace(0, 2e-5, 41)
+    )
+    grid = relative_error(a[..., None], b[..., None], c[..., None])
+    assert relative_error(*fitted) <= grid.min() + 1e-12
 
 
 def test_one_shape_cannot_be_fitted():

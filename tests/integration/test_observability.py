@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 
+from bench.servers import stop_process
 from tests.dashboards import all_panel_queries
+from tests.fakes import HOLD_LOAD_ENV
 from tests.prometheus import SHIPPED_CONFIG, require, run_prometheus
-from tests.servers import free_port, run_server
+from tests.servers import ROOT, free_port, run_server
 
 pytestmark = pytest.mark.integration
 
@@ -188,3 +192,45 @@ def test_every_dashboard_expression_returns_data_from_a_real_prometheus(replica,
             print(f"\n[{query.row}] {query.panel} [{query.ref}]\n  {query.promql()}")
             for result in answer["data"]["result"][:6]:
                 print(f"  {result['metric']} => {result['value'][1]}")
+
+
+def test_metrics_port_answers_before_the_model_has_loaded(tmp_path):
+    """The model's load is held until the test releases it: the metrics port already says
+    ``batchfit_ready 0``, and 1 once the replica is ready."""
+    release = tmp_path / "release-the-load"
+    port, metrics_port = free_port(), free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--metrics-port", str(metrics_port), "--sizer", "fixed",
+             "--model", "python:tests.fakes:held_loading_model"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, HOLD_LOAD_ENV: str(release)},
+        )  # fmt: skip
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    try:
+        scrape = poll_scrape(metrics_url, process, lambda text: True, timeout_s=30)
+        assert "\nbatchfit_ready 0.0\n" in scrape, scrape
+        assert "model loaded" not in log_path.read_text()
+        assert httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=5).status_code == 503
+        release.touch()
+        scrape = poll_scrape(metrics_url, process, lambda text: "\nbatchfit_ready 1.0\n" in text)
+        assert httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=5).status_code == 200
+    finally:
+        stop_process(process)
+    assert "model scripted loaded" in log_path.read_text()
+
+
+def poll_scrape(url: str, process: subprocess.Popen, done, timeout_s: float = 60) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the replica exited with {process.returncode}"
+        try:
+            text = httpx.get(url, timeout=2).text
+        except httpx.TransportError:
+            text = None
+        if text is not None and done(text):
+            return text
+        time.sleep(0.05)
+    raise TimeoutError(f"{url}: no scrape as expected within {timeout_s}s")

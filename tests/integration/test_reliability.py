@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.fakes import BREAK_THE_LOOP
 from tests.rawhttp import read_response, send_request
 from tests.servers import run_server, wait_ready
 
@@ -119,7 +120,8 @@ def test_bad_input_on_the_real_model(keyed_server, body, status, error_type):
     assert after.status_code == 200
 
 
-def test_absurd_timeout_is_capped_on_the_real_model(keyed_server):
+def test_absurd_timeout_is_accepted_on_the_real_model(keyed_server):
+    """A huge timeout is served, not refused (the capped deadline it gets: test_guards)."""
     for body in ({"inputs": "a", "timeout_s": 1e300}, {"inputs": "a"}):
         headers = {**AUTH, "X-Timeout-S": "1e308"}
         response = httpx.post(f"{keyed_server.url}/v1/infer", json=body, headers=headers)
@@ -171,3 +173,20 @@ def test_log_and_errors_carry_no_input_text(keyed_server):
         if response.status_code != 200:
             assert secret not in response.text
     assert secret not in keyed_server.log()
+
+
+def test_a_crashed_batcher_loop_exits_1_with_a_traceback(tmp_path):
+    with run_server(
+        tmp_path, "--model", "python:tests.fakes:loop_breaking_model", "--sizer", "fixed",
+        ready_timeout_s=60,
+    ) as server:  # fmt: skip
+        fine = httpx.post(f"{server.url}/v1/infer", json={"inputs": "fine"}, timeout=30)
+        assert fine.json()["outputs"] == ["out:fine"]
+        crash = httpx.post(f"{server.url}/v1/infer", json={"inputs": BREAK_THE_LOOP}, timeout=30)
+        assert crash.status_code == 500, crash.text
+        assert crash.json()["error_type"] == "internal_error"
+        assert server.process.wait(30) == 1
+    log = server.log()
+    assert "the batcher crashed; stopping the replica" in log
+    assert "Traceback (most recent call last)" in log
+    assert "TypeError" in log
