@@ -178,6 +178,7 @@ class Batcher:
             ):
                 if value is not None:
                     gauge.set(value)
+            metrics.set_limit(reading.limit)
         return reading
 
     def _measured_forward(self, items: Sequence[Any]) -> tuple[list[Any], int | None]:

@@ -142,6 +142,7 @@ class Runtime:
         await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, int)
         if self.settings.memory_limit is not None and info.device == "cpu":
             self._limit_host_memory(self.settings.memory_limit)
+        self._log_memory_limit()
         self.batcher = Batcher(
             queue=self.queue,
             forward=self.profiler.wrap(self.model.forward),
@@ -174,6 +175,18 @@ class Runtime:
         log.info(
             "memory limit %d MiB: address space capped at %d MiB (%d MiB above the model)",
             limit_bytes >> 20, set_to >> 20, (limit_bytes - resident) >> 20,
+        )  # fmt: skip
+
+    def _log_memory_limit(self) -> None:
+        """Say which limit binds before the first batch: warm-up runs under it too."""
+        reading = self.probe.read() if self.probe is not None else None
+        if reading is None or reading.limit is None:
+            log.info("memory limit: none read (no memory probe)")
+            return
+        self.memory_metrics.set_limit(reading.limit)
+        log.info(
+            "memory limit: %s, %d MiB free under it",
+            reading.limit.describe(), (reading.free_bytes or 0) >> 20,
         )  # fmt: skip
 
     async def _warm_up(self, batcher: Batcher) -> None:
