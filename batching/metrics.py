@@ -177,6 +177,12 @@ class MemoryMetrics:
         self.host_resident = Gauge(
             "batchfit_host_resident_bytes", "Resident memory of this process.", registry=registry
         )
+        self.host_resident_peak = Gauge(
+            "batchfit_host_resident_peak_bytes",
+            "Highest resident memory of this process since it started (VmHWM, kept across "
+            "the per-batch resets; as of the last dispatch).",
+            registry=registry,
+        )
         self.host_available = Gauge(
             "batchfit_host_available_bytes",
             "Memory the host could still give this process (MemAvailable, cgroup and "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import resource
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Protocol
@@ -49,6 +50,7 @@ class MemoryReading:
     allocated_bytes: int | None = None
     reserved_bytes: int | None = None
     resident_bytes: int | None = None
+    resident_peak_bytes: int | None = None  # since start: VmHWM kept across per-batch resets
     limit: MemoryLimit | None = None  # the limit behind free_bytes
     sources: tuple[str, ...] = field(default=())
 
@@ -74,7 +76,9 @@ class HostProbe:
     tightest of its own limit and its ancestors', against usage less inactive file cache),
     the address-space limit's room (RLIMIT_AS minus VmSize) and the configured
     ``memory_limit_bytes`` minus RSS. The per-batch peak is VmHWM after resetting it through
-    ``/proc/self/clear_refs``. ``cgroup`` defaults to this process's own, found once.
+    ``/proc/self/clear_refs``; VmHWM is also read just before each reset, so the peak since
+    start (``peak_resident_bytes``) stays exact. ``cgroup`` defaults to this process's own,
+    found once.
     """
 
     name = "host"
@@ -89,6 +93,8 @@ class HostProbe:
         self._status = str(proc / "self" / "status")
         self._meminfo = str(proc / "meminfo")
         self._clear_refs = str(proc / "self" / "clear_refs")
+        self.peak_resident_bytes = 0
+        self._peak_lock = threading.Lock()
         if cgroup == "own":
             cgroup = own_memory_cgroup(proc)
         self.cgroup = CgroupMemory(cgroup, self._files) if cgroup is not None else None
@@ -99,8 +105,17 @@ class HostProbe:
         except OSError as exc:
             raise ProbeError(f"cannot read {path}: {exc}") from exc
 
+    def _fold_peak(self, status: bytes) -> int:
+        """Fold the VmHWM in ``status`` (the peak since the last reset) into the peak since
+        start; return the latter."""
+        hwm = kib_field(status, b"VmHWM") or 0
+        with self._peak_lock:
+            self.peak_resident_bytes = max(self.peak_resident_bytes, hwm)
+            return self.peak_resident_bytes
+
     def read(self) -> MemoryReading:
         status = self._read(self._status)
+        peak = self._fold_peak(status)
         meminfo = self._read(self._meminfo)
         rss = kib_field(status, b"VmRSS")
         available = kib_field(meminfo, b"MemAvailable")
@@ -127,12 +142,13 @@ class HostProbe:
         if binding is None:
             binding = ("host", kib_field(meminfo, b"MemTotal") or available + rss, "memory")
         return MemoryReading(
-            free_bytes=free, used_bytes=rss, resident_bytes=rss, limit=MemoryLimit(*binding),
-            sources=(self.name,),
+            free_bytes=free, used_bytes=rss, resident_bytes=rss, resident_peak_bytes=peak,
+            limit=MemoryLimit(*binding), sources=(self.name,),
         )  # fmt: skip
 
     def start_batch(self) -> int | None:
         if self._can_reset_peak:
+            self._fold_peak(self._read(self._status))
             try:
                 self._files.write(self._clear_refs, b"5")
             except OSError as exc:
@@ -279,7 +295,8 @@ def _merge(a: MemoryReading, b: MemoryReading) -> MemoryReading:
     values = {
         name: getattr(a, name) if getattr(a, name) is not None else getattr(b, name)
         for name in ("used_bytes", "device_used_bytes", "device_total_bytes",
-                     "allocated_bytes", "reserved_bytes", "resident_bytes")
+                     "allocated_bytes", "reserved_bytes", "resident_bytes",
+                     "resident_peak_bytes")
     }  # fmt: skip
     return replace(a, free_bytes=free, limit=limit, sources=a.sources + b.sources, **values)
 

@@ -40,6 +40,19 @@ def test_host_probe_measures_a_batch_peak():
     assert probe.batch_peak() - baseline < 32 * 2**20
 
 
+def test_host_probe_keeps_the_peak_since_start_across_batch_resets():
+    probe = HostProbe(cgroup=None)
+    status = Path("/proc/self/status")
+    before = kib_field(status.read_bytes(), b"VmHWM")
+    probe.start_batch()
+    # A new high-water mark, 64 MiB above any this process had before.
+    block = bytearray(before - kib_field(status.read_bytes(), b"VmRSS") + 64 * 2**20)
+    del block
+    probe.start_batch()  # the next batch resets VmHWM: the peak survives only in the probe
+    assert kib_field(status.read_bytes(), b"VmHWM") < before + 32 * 2**20
+    assert probe.read().resident_peak_bytes >= before + 60 * 2**20
+
+
 def test_address_space_limit_turns_a_runaway_allocation_into_a_real_oom():
     script = """
 import torch
