@@ -1,118 +1,31 @@
-"""A child memory cgroup under this process's own, for tests that need a real kernel limit."""
+"""A child memory cgroup for tests: fails under CI=true where none can be made, else skips."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
-from batching.procfs import own_memory_cgroup, stat_field
+from bench.cgroups import ChildCgroup, make_child_cgroup
 
-
-@dataclass
-class ChildCgroup:
-    directory: Path
-    version: int
-    path: str  # as the hierarchy names it (what /proc/<pid>/cgroup shows)
-    _peak_fd: int | None = field(default=None, repr=False)
-
-    def _name(self, v1: str, v2: str) -> Path:
-        return self.directory / (v1 if self.version == 1 else v2)
-
-    def join(self) -> None:
-        """Move the calling process in (use as ``preexec_fn``: the child joins before exec)."""
-        (self.directory / "cgroup.procs").write_text(str(os.getpid()))
-
-    def pids(self) -> list[int]:
-        return [int(pid) for pid in (self.directory / "cgroup.procs").read_text().split()]
-
-    def set_limit(self, limit_bytes: int) -> None:
-        self._name("memory.limit_in_bytes", "memory.max").write_text(str(limit_bytes))
-
-    def usage(self) -> int:
-        return int(self._name("memory.usage_in_bytes", "memory.current").read_text())
-
-    def working_set(self) -> int:
-        stat = (self.directory / "memory.stat").read_bytes()
-        inactive = stat_field(
-            stat, b"total_inactive_file" if self.version == 1 else b"inactive_file"
-        )
-        return self.usage() - (inactive or 0)
-
-    def reset_peak(self) -> None:
-        """The peak counter restarts from the usage now (v2: as read through this fd)."""
-        if self.version == 1:
-            (self.directory / "memory.max_usage_in_bytes").write_text("0")
-            return
-        if self._peak_fd is None:
-            self._peak_fd = os.open(self.directory / "memory.peak", os.O_RDWR)
-        os.write(self._peak_fd, b"reset")
-
-    def peak(self) -> int:
-        if self.version == 1:
-            return int((self.directory / "memory.max_usage_in_bytes").read_text())
-        assert self._peak_fd is not None, "reset_peak first"
-        return int(os.pread(self._peak_fd, 64, 0))
-
-    def oom_kills(self) -> int:
-        text = self._name("memory.oom_control", "memory.events").read_bytes()
-        return stat_field(text, b"oom_kill") or 0
-
-    def limit_hits(self) -> int | None:
-        """v1's failcnt: how often usage reached the limit (page cache reclaim included)."""
-        if self.version != 1:
-            return None
-        return int((self.directory / "memory.failcnt").read_text())
-
-    def remove(self, timeout_s: float = 30) -> None:
-        """Kill whatever is still inside (only processes the test started), then rmdir."""
-        if self._peak_fd is not None:
-            os.close(self._peak_fd)
-            self._peak_fd = None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            pids = self.pids()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            try:
-                self.directory.rmdir()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-
-
-def _refuse(message: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{message} (CI runs as root with a writable memory controller)")
-    pytest.skip(message)
+__all__ = ["ChildCgroup", "child_cgroup"]
 
 
 @contextlib.contextmanager
 def child_cgroup(name: str) -> Iterator[ChildCgroup]:
-    """A fresh child of this process's memory cgroup, removed afterwards. Where none can be
-    made (not root, no memory controller, read-only): fail under CI=true, else skip."""
-    own = own_memory_cgroup()
-    if own is None:
-        _refuse("no memory cgroup found in /proc/self/cgroup and /proc/self/mountinfo")
-    leaf = f"batchfit-test-{os.getpid()}-{name}"
-    directory = Path(own.levels[0][1]) / leaf
+    """A fresh child of this process's memory cgroup, removed afterwards (whatever still runs
+    inside is killed first). Where none can be made (not root, no memory controller,
+    read-only): fail when CI is set (CI runs as root with a writable controller), else skip."""
     try:
-        directory.mkdir()
+        cgroup = make_child_cgroup(f"test-{name}")
     except OSError as exc:
-        _refuse(f"cannot create a memory cgroup under {own.levels[0][1]}: {exc}")
-    cgroup = ChildCgroup(directory, own.version, own.path.rstrip("/") + "/" + leaf)
+        message = f"cannot make a memory cgroup to run the replica in: {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
     try:
-        if not cgroup._name("memory.limit_in_bytes", "memory.max").exists():
-            _refuse(f"the memory controller is not enabled for {directory}")
         yield cgroup
     finally:
         cgroup.remove()
