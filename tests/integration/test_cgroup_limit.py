@@ -104,7 +104,7 @@ def test_the_same_burst_without_the_memory_term_is_killed_by_the_kernel(tmp_path
     batches under the same limit get the replica OOM-killed. (128 items: with the caps lifted
     further, the fixed sizer's warm-up alone would run 1024 x 256 tokens, minutes of CPU.)"""
     with child_cgroup("fixed") as cgroup:
-        cgroup.set_limit(LOOSE_LIMIT)
+        cgroup.set_limit(LOOSE_LIMIT + 300 * MiB)  # room for its 128 x 256 warm-up batch
         flags = ("--sizer", "fixed", "--max-batch-size", "128", "--max-batch-tokens", "40000")
         with run_server(tmp_path, *flags, "--max-wait-ms", "50", preexec=cgroup.join) as server:
             cgroup.set_limit(cgroup.usage() + 250 * MiB)
