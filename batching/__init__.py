@@ -24,8 +24,10 @@ from .planner import (
     split,
 )
 from .probes import (
+    LIMIT_SOURCES,
     CompositeProbe,
     HostProbe,
+    MemoryLimit,
     MemoryProbe,
     MemoryReading,
     NvmlProbe,
@@ -49,6 +51,7 @@ from .sizer import (
 from .timing import BatchTimeModel, fit_time_model
 
 __all__ = [
+    "LIMIT_SOURCES",
     "AdaptiveConfig",
     "AdaptiveSizer",
     "BatchBudget",
@@ -65,6 +68,7 @@ __all__ = [
     "FixedSizer",
     "HostProbe",
     "InferenceFailed",
+    "MemoryLimit",
     "MemoryMetrics",
     "MemoryProbe",
     "MemoryReading",

@@ -171,6 +171,7 @@ class Batcher:
                 (metrics.torch_allocated, reading.allocated_bytes),
                 (metrics.torch_reserved, reading.reserved_bytes),
                 (metrics.host_resident, reading.resident_bytes),
+                (metrics.host_resident_peak, reading.resident_peak_bytes),
                 (
                     metrics.host_available,
                     None if reading.device_total_bytes else reading.free_bytes,
@@ -178,6 +179,7 @@ class Batcher:
             ):
                 if value is not None:
                     gauge.set(value)
+            metrics.set_limit(reading.limit)
         return reading
 
     def _measured_forward(self, items: Sequence[Any]) -> tuple[list[Any], int | None]:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from .probes import MemoryLimit
 
 LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -172,9 +177,32 @@ class MemoryMetrics:
         self.host_resident = Gauge(
             "batchfit_host_resident_bytes", "Resident memory of this process.", registry=registry
         )
+        self.host_resident_peak = Gauge(
+            "batchfit_host_resident_peak_bytes",
+            "Highest resident memory of this process since it started (VmHWM, kept across "
+            "the per-batch resets; as of the last dispatch).",
+            registry=registry,
+        )
         self.host_available = Gauge(
             "batchfit_host_available_bytes",
             "Memory the host could still give this process (MemAvailable, cgroup and "
             "address-space limits, the smallest).",
             registry=registry,
         )
+        self.limit = Gauge(
+            "batchfit_memory_limit_bytes",
+            "The memory limit that binds (the one leaving the least room), by where it comes "
+            "from: cgroup, rlimit, flag, host or device. One series at a time.",
+            ["source"],
+            registry=registry,
+        )
+        self._limit_source: str | None = None
+
+    def set_limit(self, limit: MemoryLimit | None) -> None:
+        """Show ``limit`` as the binding one; the series of the source before it goes."""
+        if limit is None:
+            return
+        if self._limit_source is not None and self._limit_source != limit.source:
+            self.limit.remove(self._limit_source)
+        self._limit_source = limit.source
+        self.limit.labels(limit.source).set(limit.limit_bytes)

@@ -10,17 +10,33 @@ from __future__ import annotations
 import ctypes
 import logging
 import resource
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
-from .procfs import UNLIMITED, OpenFiles, cgroup_files, cgroup_room, kib_field
+from .procfs import UNLIMITED, CgroupMemory, MemoryCgroup, OpenFiles, kib_field, own_memory_cgroup
 
 log = logging.getLogger(__name__)
 
 
 class ProbeError(Exception):
     """A probe could not read (no driver, unreadable file, odd values)."""
+
+
+LIMIT_SOURCES = ("cgroup", "rlimit", "flag", "host", "device")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLimit:
+    """The limit that binds: the one whose room is smallest, and where it comes from."""
+
+    source: str  # one of LIMIT_SOURCES
+    limit_bytes: int
+    where: str  # e.g. the cgroup's path, "--memory-limit", "RLIMIT_AS"
+
+    def describe(self) -> str:
+        return f"{self.limit_bytes / 2**20:.0f} MiB ({self.source} {self.where})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +50,8 @@ class MemoryReading:
     allocated_bytes: int | None = None
     reserved_bytes: int | None = None
     resident_bytes: int | None = None
+    resident_peak_bytes: int | None = None  # since start: VmHWM kept across per-batch resets
+    limit: MemoryLimit | None = None  # the limit behind free_bytes
     sources: tuple[str, ...] = field(default=())
 
 
@@ -52,23 +70,34 @@ class MemoryProbe(Protocol):
 
 
 class HostProbe:
-    """The CPU host: resident memory, its per-batch peak, and the tightest of three rooms.
+    """The CPU host: resident memory, its per-batch peak, and the tightest of four rooms.
 
-    Free is the smallest of MemAvailable, the cgroup limit's room, the address-space limit's
-    room (RLIMIT_AS minus VmSize) and the configured ``memory_limit_bytes`` minus RSS. The
-    per-batch peak is VmHWM after resetting it through ``/proc/self/clear_refs``.
+    Free is the smallest of MemAvailable, the room under this process's memory cgroup (the
+    tightest of its own limit and its ancestors', against usage less inactive file cache),
+    the address-space limit's room (RLIMIT_AS minus VmSize) and the configured
+    ``memory_limit_bytes`` minus RSS. The per-batch peak is VmHWM after resetting it through
+    ``/proc/self/clear_refs``; VmHWM is also read just before each reset, so the peak since
+    start (``peak_resident_bytes``) stays exact. ``cgroup`` defaults to this process's own,
+    found once.
     """
 
     name = "host"
 
-    def __init__(self, *, memory_limit_bytes: int | None = None, proc: Path = Path("/proc")):
+    def __init__(
+        self, *, memory_limit_bytes: int | None = None, proc: Path = Path("/proc"),
+        cgroup: MemoryCgroup | Literal["own"] | None = "own",
+    ) -> None:  # fmt: skip
         self.memory_limit_bytes = memory_limit_bytes
         self._can_reset_peak = True
         self._files = OpenFiles()
         self._status = str(proc / "self" / "status")
         self._meminfo = str(proc / "meminfo")
         self._clear_refs = str(proc / "self" / "clear_refs")
-        self._cgroup = cgroup_files()
+        self.peak_resident_bytes = 0
+        self._peak_lock = threading.Lock()
+        if cgroup == "own":
+            cgroup = own_memory_cgroup(proc)
+        self.cgroup = CgroupMemory(cgroup, self._files) if cgroup is not None else None
 
     def _read(self, path: str) -> bytes:
         try:
@@ -76,28 +105,50 @@ class HostProbe:
         except OSError as exc:
             raise ProbeError(f"cannot read {path}: {exc}") from exc
 
+    def _fold_peak(self, status: bytes) -> int:
+        """Fold the VmHWM in ``status`` (the peak since the last reset) into the peak since
+        start; return the latter."""
+        hwm = kib_field(status, b"VmHWM") or 0
+        with self._peak_lock:
+            self.peak_resident_bytes = max(self.peak_resident_bytes, hwm)
+            return self.peak_resident_bytes
+
     def read(self) -> MemoryReading:
         status = self._read(self._status)
+        peak = self._fold_peak(status)
+        meminfo = self._read(self._meminfo)
         rss = kib_field(status, b"VmRSS")
-        available = kib_field(self._read(self._meminfo), b"MemAvailable")
+        available = kib_field(meminfo, b"MemAvailable")
         if rss is None or available is None:
             raise ProbeError("VmRSS or MemAvailable missing")
-        rooms = [available]
-        cgroup = cgroup_room(self._cgroup, self._files.read)
-        if cgroup is not None:
-            rooms.append(cgroup)
+        free = available
+        binding: tuple[str, int, str] | None = None  # source, limit, where: built lazily
+        if self.cgroup is not None:
+            try:
+                cgroup = self.cgroup.read()
+            except (OSError, ValueError) as exc:
+                raise ProbeError(f"cannot read the memory cgroup: {exc}") from exc
+            if cgroup is not None and cgroup.room_bytes < free:
+                free, binding = cgroup.room_bytes, ("cgroup", cgroup.limit_bytes, cgroup.path)
         soft, _ = resource.getrlimit(resource.RLIMIT_AS)
         if soft != resource.RLIM_INFINITY and soft < UNLIMITED:
-            rooms.append(max(0, soft - (kib_field(status, b"VmSize") or 0)))
+            room = max(0, soft - (kib_field(status, b"VmSize") or 0))
+            if room < free:
+                free, binding = room, ("rlimit", soft, "RLIMIT_AS")
         if self.memory_limit_bytes is not None:
-            rooms.append(max(0, self.memory_limit_bytes - rss))
-        free = min(rooms)
+            room = max(0, self.memory_limit_bytes - rss)
+            if room < free:
+                free, binding = room, ("flag", self.memory_limit_bytes, "--memory-limit")
+        if binding is None:
+            binding = ("host", kib_field(meminfo, b"MemTotal") or available + rss, "memory")
         return MemoryReading(
-            free_bytes=free, used_bytes=rss, resident_bytes=rss, sources=(self.name,)
-        )
+            free_bytes=free, used_bytes=rss, resident_bytes=rss, resident_peak_bytes=peak,
+            limit=MemoryLimit(*binding), sources=(self.name,),
+        )  # fmt: skip
 
     def start_batch(self) -> int | None:
         if self._can_reset_peak:
+            self._fold_peak(self._read(self._status))
             try:
                 self._files.write(self._clear_refs, b"5")
             except OSError as exc:
@@ -138,12 +189,14 @@ class TorchCudaProbe:
             raise ProbeError(f"torch.cuda: {exc}") from exc
         # Cached but unused blocks are free for us, though not for other processes.
         room = free + (reserved - allocated)
-        if self.memory_limit_bytes is not None:
-            room = min(room, max(0, self.memory_limit_bytes - allocated))
+        limit = MemoryLimit("device", total, self._device)
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes - allocated < room:
+            room = max(0, self.memory_limit_bytes - allocated)
+            limit = MemoryLimit("flag", self.memory_limit_bytes, "--memory-limit")
         return MemoryReading(
             free_bytes=room, used_bytes=reserved, allocated_bytes=allocated,
             reserved_bytes=reserved, device_total_bytes=total,
-            device_used_bytes=total - free, sources=(self.name,),
+            device_used_bytes=total - free, limit=limit, sources=(self.name,),
         )  # fmt: skip
 
     def start_batch(self) -> int | None:
@@ -181,7 +234,8 @@ class NvmlProbe:
             raise ProbeError(f"odd NVML reading: used={info.used} total={info.total}")
         return MemoryReading(
             free_bytes=int(info.free), device_used_bytes=int(info.used),
-            device_total_bytes=int(info.total), sources=(self.name,),
+            device_total_bytes=int(info.total),
+            limit=MemoryLimit("device", int(info.total), "NVML"), sources=(self.name,),
         )  # fmt: skip
 
     def start_batch(self) -> int | None:
@@ -235,15 +289,16 @@ class CompositeProbe:
 
 
 def _merge(a: MemoryReading, b: MemoryReading) -> MemoryReading:
-    free = b.free_bytes if a.free_bytes is None else a.free_bytes
-    if a.free_bytes is not None and b.free_bytes is not None:
-        free = min(a.free_bytes, b.free_bytes)
+    free, limit = (b.free_bytes, b.limit) if a.free_bytes is None else (a.free_bytes, a.limit)
+    if a.free_bytes is not None and b.free_bytes is not None and b.free_bytes < a.free_bytes:
+        free, limit = b.free_bytes, b.limit
     values = {
         name: getattr(a, name) if getattr(a, name) is not None else getattr(b, name)
         for name in ("used_bytes", "device_used_bytes", "device_total_bytes",
-                     "allocated_bytes", "reserved_bytes", "resident_bytes")
+                     "allocated_bytes", "reserved_bytes", "resident_bytes",
+                     "resident_peak_bytes")
     }  # fmt: skip
-    return replace(a, free_bytes=free, sources=a.sources + b.sources, **values)
+    return replace(a, free_bytes=free, limit=limit, sources=a.sources + b.sources, **values)
 
 
 def probes_for_device(device: str, *, memory_limit_bytes: int | None = None) -> CompositeProbe:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from batching import MemoryReading
+from batching import MemoryLimit, MemoryReading
 from models import ArchitectureShape, Item, ModelInfo, ModelOutOfMemory
 
 SHAPE = ArchitectureShape(
@@ -100,12 +100,15 @@ class ScriptedProbe:
 
     name = "scripted"
 
-    def __init__(self, free_bytes: int) -> None:
+    def __init__(self, free_bytes: int, limit: MemoryLimit | None = None) -> None:
         self.free_bytes = free_bytes
+        self.limit = limit
         self.released = 0
 
     def read(self) -> MemoryReading:
-        return MemoryReading(free_bytes=self.free_bytes, used_bytes=0, sources=("scripted",))
+        return MemoryReading(
+            free_bytes=self.free_bytes, used_bytes=0, limit=self.limit, sources=("scripted",)
+        )
 
     def start_batch(self) -> int | None:
         return None

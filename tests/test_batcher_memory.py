@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from batching import AdaptiveConfig, AdaptiveSizer, OutOfMemory, PeakModel
+from batching import AdaptiveConfig, AdaptiveSizer, MemoryLimit, OutOfMemory, PeakModel
 from models import ModelOutOfMemory, ModelSpec, load_model
 from models.testing import save_tiny_model
 from tests.fakes import ScriptedModel, ScriptedProbe
@@ -40,6 +40,20 @@ async def test_without_splitting_an_oom_fails_the_whole_batch(harness_factory):
         with pytest.raises(OutOfMemory, match="in a batch of 4"):
             p.future.result()
     assert sample(h, "batchfit_oom_events_total", outcome="failed") == 1
+
+
+async def test_the_binding_limit_is_one_gauge_series_labelled_by_its_source(harness_factory):
+    probe = ScriptedProbe(2**30, MemoryLimit("host", 16 * 2**30, "memory"))
+    h = harness_factory(model=ScriptedModel(), probe=probe)
+    h.submit(["a"])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert sample(h, "batchfit_memory_limit_bytes", source="host") == 16 * 2**30
+    # A cgroup limit set while serving binds from the next batch on; the host's series goes.
+    probe.limit = MemoryLimit("cgroup", 630 * 2**20, "/system.slice/x.service")
+    h.submit(["b"])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert sample(h, "batchfit_memory_limit_bytes", source="cgroup") == 630 * 2**20
+    assert sample(h, "batchfit_memory_limit_bytes", source="host") is None
 
 
 async def test_adaptive_budget_follows_free_memory(harness_factory):

@@ -8,7 +8,7 @@ import pytest
 
 from batching import CompositeProbe, HostProbe, NvmlProbe, ProbeError, TorchCudaProbe
 from batching.probes import probes_for_device
-from batching.procfs import cgroup_files, cgroup_room, kib_field
+from batching.procfs import kib_field
 
 # --- the host probe, against the real /proc of this machine ---
 
@@ -40,6 +40,19 @@ def test_host_probe_measures_a_batch_peak():
     assert probe.batch_peak() - baseline < 32 * 2**20
 
 
+def test_host_probe_keeps_the_peak_since_start_across_batch_resets():
+    probe = HostProbe(cgroup=None)
+    status = Path("/proc/self/status")
+    before = kib_field(status.read_bytes(), b"VmHWM")
+    probe.start_batch()
+    # A new high-water mark, 64 MiB above any this process had before.
+    block = bytearray(before - kib_field(status.read_bytes(), b"VmRSS") + 64 * 2**20)
+    del block
+    probe.start_batch()  # the next batch resets VmHWM: the peak survives only in the probe
+    assert kib_field(status.read_bytes(), b"VmHWM") < before + 32 * 2**20
+    assert probe.read().resident_peak_bytes >= before + 60 * 2**20
+
+
 def test_address_space_limit_turns_a_runaway_allocation_into_a_real_oom():
     script = """
 import torch
@@ -57,24 +70,6 @@ print("small ok", int(small.sum()))
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert result.stdout.split("\n")[:2] == ["oom", f"small ok {2**20}"], result.stderr
-
-
-@pytest.mark.parametrize(
-    ("files", "room"),
-    [
-        ({"memory.max": "max", "memory.current": "100"}, None),
-        ({"memory.max": "1000", "memory.current": "300"}, 700),
-        ({"memory/memory.limit_in_bytes": "9223372036854771712"}, None),
-        ({"memory/memory.limit_in_bytes": "5000", "memory/memory.usage_in_bytes": "1000"}, 4000),
-        ({"memory.max": "100", "memory.current": "300"}, 0),
-        ({}, None),
-    ],
-)
-def test_cgroup_room(tmp_path, files, room):
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text + "\n")
-    assert cgroup_room(cgroup_files(tmp_path)) == room
 
 
 @pytest.mark.parametrize(
@@ -166,8 +161,10 @@ def test_torch_cuda_probe_counts_the_allocator_cache_as_free_and_measures_peaks(
     baseline = probe.start_batch()
     cuda.peak = baseline + 5 * 2**30
     assert probe.batch_peak() - baseline == 5 * 2**30
+    assert reading.limit.describe() == "81920 MiB (device cuda:0)"
     limited = TorchCudaProbe("cuda:0", cuda=cuda, memory_limit_bytes=4 * 2**30).read()
     assert limited.free_bytes == 2 * 2**30
+    assert limited.limit.describe() == "4096 MiB (flag --memory-limit)"
 
 
 def test_composite_takes_the_smallest_free_and_drops_a_failing_probe(caplog):
@@ -176,6 +173,7 @@ def test_composite_takes_the_smallest_free_and_drops_a_failing_probe(caplog):
     composite = CompositeProbe([TorchCudaProbe("cuda:0", cuda=cuda), NvmlProbe(0, nvml=nvml)])
     reading = composite.read()
     assert reading.free_bytes == 2**30
+    assert reading.limit.where == "NVML"  # the limit behind the smallest free
     assert reading.allocated_bytes == 2 * 2**30
     assert reading.sources == ("torch.cuda", "nvml")
     nvml.used = 100 * 2**30  # now odd: dropped, logged once

@@ -52,6 +52,7 @@ def describe(runtime: Runtime) -> str:
         f"  after calibration   alpha {sizer.model.alpha:,.0f} B/token   "
         f"beta {sizer.model.beta:,.1f} B/token/L   (x{sizer.config.safety_factor} safety)",
         "",
+        f"memory limit {reading.limit.describe() if reading and reading.limit else 'n/a'}",
         f"memory now   free {_mib(free)} ({', '.join(reading.sources) if reading else 'no probe'})"
         f", headroom {sizer.config.headroom_fraction:.0%}",
         f"budget       {_mib(budget.max_bytes)} per batch (ceiling proven at warm-up: "

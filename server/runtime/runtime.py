@@ -22,6 +22,7 @@ from batching import (
     FixedSizer,
     MemoryMetrics,
     MemoryProbe,
+    MemoryReading,
     ModelThread,
     MonotonicClock,
     Pending,
@@ -142,6 +143,7 @@ class Runtime:
         await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, int)
         if self.settings.memory_limit is not None and info.device == "cpu":
             self._limit_host_memory(self.settings.memory_limit)
+        self._log_memory_limit()
         self.batcher = Batcher(
             queue=self.queue,
             forward=self.profiler.wrap(self.model.forward),
@@ -176,6 +178,18 @@ class Runtime:
             limit_bytes >> 20, set_to >> 20, (limit_bytes - resident) >> 20,
         )  # fmt: skip
 
+    def _log_memory_limit(self) -> None:
+        """Say which limit binds before the first batch: warm-up runs under it too."""
+        reading = self.probe.read() if self.probe is not None else None
+        if reading is None or reading.limit is None:
+            log.info("memory limit: none read (no memory probe)")
+            return
+        self.memory_metrics.set_limit(reading.limit)
+        log.info(
+            "memory limit: %s, %d MiB free under it",
+            reading.limit.describe(), (reading.free_bytes or 0) >> 20,
+        )  # fmt: skip
+
     async def _warm_up(self, batcher: Batcher) -> None:
         """Run the largest batches the sizer would plan (short and longest inputs), lowering
         the ceiling after each OOM until they pass, so the server never says ready with a
@@ -199,9 +213,19 @@ class Runtime:
             lengths = [min(max_len, max(2, budget.max_tokens // budget.max_items))]
         for length in lengths:
             cap = self.settings.max_batch_size
+            scouted = False
             while True:
-                budget = self.sizer.budget(self.probe.read() if self.probe else None)
-                num_items = max(1, min(cap, largest_batch(budget, length)))
+                reading = self.probe.read() if self.probe else None
+                budget = self.sizer.budget(reading)
+                fits = largest_batch(budget, length)
+                num_items = max(1, min(cap, fits))
+                # NOTE: past a cgroup's limit (or the host's memory) the kernel kills the
+                # process: no error comes back to lower the ceiling on. Where memory, not a
+                # cap, sets this batch's size, a quarter of it runs first, so the full one is
+                # planned by a model corrected at this length, not by the prior alone.
+                scout = not scouted and fits < cap and num_items >= 4 and _kills(reading)
+                if scout:
+                    num_items //= 4
                 items = self.model.synthetic_items(num_items, length)
                 try:
                     outcome = await batcher.run_calibration(items)
@@ -220,6 +244,9 @@ class Runtime:
                     num_items, length, outcome.elapsed_s,
                     f"{outcome.peak_bytes / 2**20:.1f} MiB" if outcome.peak_bytes else "n/a",
                 )  # fmt: skip
+                if scout:
+                    scouted = True
+                    continue
                 break
         if isinstance(self.sizer, AdaptiveSizer):
             self.sizer.finish_warm_up()
@@ -357,6 +384,14 @@ class Runtime:
             self.queue.discard(pendings)
             self.batching_metrics.queue_depth.set(len(self.queue))
         return outputs, sum(item.cost for item in items)
+
+
+def _kills(reading: MemoryReading | None) -> bool:
+    """Whether the binding limit is one the kernel enforces by killing (cgroup, host memory)
+    rather than one that fails an allocation (address space, device)."""
+    return reading is not None and reading.limit is not None and reading.limit.source in (
+        "cgroup", "host",
+    )  # fmt: skip
 
 
 def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:

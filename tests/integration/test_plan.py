@@ -18,6 +18,7 @@ def test_plan_prints_the_memory_plan_for_the_bundled_model():
     out = result.stdout
     assert "parameters   22,713,216 (86.6 MiB)" in out
     assert re.search(r"after calibration\s+alpha [\d,]+ B/token", out)
+    assert "memory limit 700 MiB (flag --memory-limit)" in out
     budget = re.search(r"budget\s+([\d,.]+) MiB per batch", out)
     assert budget and 0 < float(budget.group(1).replace(",", "")) < 700
     rows = re.findall(r"^\s+(\d+)\s+[\d.]+ MiB\s+[\d.]+ MiB\s+[\d.]+ MiB\s+(\d+)$", out, re.M)

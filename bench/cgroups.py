@@ -1,0 +1,102 @@
+"""A child memory cgroup under this process's own: a real kernel limit to run a replica in."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batching.procfs import own_memory_cgroup, stat_field
+
+
+@dataclass
+class ChildCgroup:
+    directory: Path
+    version: int
+    path: str  # as the hierarchy names it (what /proc/<pid>/cgroup shows)
+    _peak_fd: int | None = field(default=None, repr=False)
+
+    def _name(self, v1: str, v2: str) -> Path:
+        return self.directory / (v1 if self.version == 1 else v2)
+
+    def join(self) -> None:
+        """Move the calling process in (use as ``preexec_fn``: the child joins before exec)."""
+        (self.directory / "cgroup.procs").write_text(str(os.getpid()))
+
+    def pids(self) -> list[int]:
+        return [int(pid) for pid in (self.directory / "cgroup.procs").read_text().split()]
+
+    def set_limit(self, limit_bytes: int) -> None:
+        self._name("memory.limit_in_bytes", "memory.max").write_text(str(limit_bytes))
+
+    def usage(self) -> int:
+        return int(self._name("memory.usage_in_bytes", "memory.current").read_text())
+
+    def working_set(self) -> int:
+        stat = (self.directory / "memory.stat").read_bytes()
+        inactive = stat_field(
+            stat, b"total_inactive_file" if self.version == 1 else b"inactive_file"
+        )
+        return self.usage() - (inactive or 0)
+
+    def reset_peak(self) -> None:
+        """The peak counter restarts from the usage now (v2: as read through this fd)."""
+        if self.version == 1:
+            (self.directory / "memory.max_usage_in_bytes").write_text("0")
+            return
+        if self._peak_fd is None:
+            self._peak_fd = os.open(self.directory / "memory.peak", os.O_RDWR)
+        os.write(self._peak_fd, b"reset")
+
+    def peak(self) -> int:
+        if self.version == 1:
+            return int((self.directory / "memory.max_usage_in_bytes").read_text())
+        assert self._peak_fd is not None, "reset_peak first"
+        return int(os.pread(self._peak_fd, 64, 0))
+
+    def oom_kills(self) -> int:
+        text = self._name("memory.oom_control", "memory.events").read_bytes()
+        return stat_field(text, b"oom_kill") or 0
+
+    def limit_hits(self) -> int | None:
+        """v1's failcnt: how often usage reached the limit (page cache reclaim included)."""
+        if self.version != 1:
+            return None
+        return int((self.directory / "memory.failcnt").read_text())
+
+    def remove(self, timeout_s: float = 30) -> None:
+        """Kill whatever is still inside (only processes the test started), then rmdir."""
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+            self._peak_fd = None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pids = self.pids()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            try:
+                self.directory.rmdir()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def make_child_cgroup(name: str) -> ChildCgroup:
+    """A new child of this process's memory cgroup; OSError where none can be made."""
+    own = own_memory_cgroup()
+    if own is None:
+        raise OSError("no memory cgroup found in /proc/self/cgroup and /proc/self/mountinfo")
+    leaf = f"batchfit-{os.getpid()}-{name}"
+    directory = Path(own.levels[0][1]) / leaf
+    directory.mkdir()
+    cgroup = ChildCgroup(directory, own.version, own.path.rstrip("/") + "/" + leaf)
+    if not cgroup._name("memory.limit_in_bytes", "memory.max").exists():
+        cgroup.remove()
+        raise OSError(f"the memory controller is not enabled for {directory}")
+    return cgroup

@@ -1,0 +1,31 @@
+"""A child memory cgroup for tests: fails under CI=true where none can be made, else skips."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from bench.cgroups import ChildCgroup, make_child_cgroup
+
+__all__ = ["ChildCgroup", "child_cgroup"]
+
+
+@contextlib.contextmanager
+def child_cgroup(name: str) -> Iterator[ChildCgroup]:
+    """A fresh child of this process's memory cgroup, removed afterwards (whatever still runs
+    inside is killed first). Where none can be made (not root, no memory controller,
+    read-only): fail when CI is set (CI runs as root with a writable controller), else skip."""
+    try:
+        cgroup = make_child_cgroup(f"test-{name}")
+    except OSError as exc:
+        message = f"cannot make a memory cgroup to run the replica in: {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    try:
+        yield cgroup
+    finally:
+        cgroup.remove()

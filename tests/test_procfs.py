@@ -1,0 +1,275 @@
+"""Finding and reading this process's memory cgroup: pure parsing, table-driven."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from batching import HostProbe
+from batching.procfs import (
+    CgroupLimit,
+    CgroupMemory,
+    MemoryCgroup,
+    OpenFiles,
+    find_memory_cgroup,
+    parse_limit,
+    parse_proc_cgroup,
+    stat_field,
+    tightest,
+    v1_level,
+    v2_level,
+    working_set,
+)
+
+MiB = 2**20
+V1_UNLIMITED = "9223372036854771712"
+
+# This machine kind: v1 controllers plus an empty unified hierarchy (hybrid).
+HYBRID_CGROUP = """\
+9:name=systemd:/
+4:memory:/process_api/abc
+1:cpu:/
+0::/
+"""
+HYBRID_MOUNTINFO = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+"""
+V2_MOUNTINFO = (
+    "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 "
+    "rw,nsdelegate,memory_recursiveprot\n"
+)
+# A v1 container without a cgroup namespace: only its own subtree is mounted.
+DOCKER_V1_MOUNTINFO = (
+    "700 690 0:32 /docker/ctr /sys/fs/cgroup/memory ro,nosuid - cgroup cgroup rw,memory\n"
+)
+# A subtree mounted somewhere else, with an escaped space in the mount point.
+KUBE_MOUNTINFO = "88 31 0:32 /kubepods /mnt/my\\040cgroups rw - cgroup cgroup rw,memory,cpu\n"
+
+V2_CONTROLLERS = {
+    "/sys/fs/cgroup/system.slice/x.service/cgroup.controllers": "cpu io memory pids",
+    "/sys/fs/cgroup/cgroup.controllers": "cpuset cpu io memory pids",
+    "/sys/fs/cgroup/unified/cgroup.controllers": "",
+}
+
+
+def read_from(files):
+    def read(path):
+        if path not in files:
+            raise FileNotFoundError(path)
+        return files[path]
+
+    return read
+
+
+@pytest.mark.parametrize(
+    ("proc_cgroup", "mountinfo", "expected"),
+    [
+        pytest.param(
+            HYBRID_CGROUP, HYBRID_MOUNTINFO,
+            MemoryCgroup(1, (
+                ("/process_api/abc", "/sys/fs/cgroup/memory/process_api/abc"),
+                ("/process_api", "/sys/fs/cgroup/memory/process_api"),
+                ("/", "/sys/fs/cgroup/memory"),
+            )),
+            id="hybrid: memory on v1, the empty unified hierarchy ignored",
+        ),
+        pytest.param(
+            "4:memory:/user.slice\n", HYBRID_MOUNTINFO,
+            MemoryCgroup(1, (
+                ("/user.slice", "/sys/fs/cgroup/memory/user.slice"),
+                ("/", "/sys/fs/cgroup/memory"),
+            )),
+            id="v1 only",
+        ),
+        pytest.param(
+            "0::/system.slice/x.service\n", V2_MOUNTINFO,
+            MemoryCgroup(2, (
+                ("/system.slice/x.service", "/sys/fs/cgroup/system.slice/x.service"),
+                ("/system.slice", "/sys/fs/cgroup/system.slice"),
+                ("/", "/sys/fs/cgroup"),
+            )),
+            id="v2, nested",
+        ),
+        pytest.param(
+            "0::/\n", V2_MOUNTINFO, MemoryCgroup(2, (("/", "/sys/fs/cgroup"),)),
+            id="v2 in a cgroup namespace: the path is /",
+        ),
+        pytest.param(
+            "12:memory:/docker/ctr\n", DOCKER_V1_MOUNTINFO,
+            MemoryCgroup(1, (("/docker/ctr", "/sys/fs/cgroup/memory"),)),
+            id="v1 mount whose root is the process's own cgroup",
+        ),
+        pytest.param(
+            "5:cpu,memory:/kubepods/pod1/ctr\n", KUBE_MOUNTINFO,
+            MemoryCgroup(1, (
+                ("/kubepods/pod1/ctr", "/mnt/my cgroups/pod1/ctr"),
+                ("/kubepods/pod1", "/mnt/my cgroups/pod1"),
+                ("/kubepods", "/mnt/my cgroups"),
+            )),
+            id="mount root below the hierarchy root, co-mounted controllers, escaped path",
+        ),
+        pytest.param(
+            "5:memory:/elsewhere/x\n", KUBE_MOUNTINFO, None,
+            id="the only mount does not hold the process's cgroup",
+        ),
+        pytest.param("9:name=systemd:/\n0::/\n", HYBRID_MOUNTINFO, None,
+                     id="hybrid without a memory controller anywhere"),
+        pytest.param("", V2_MOUNTINFO, None, id="no /proc/self/cgroup lines"),
+    ],
+)  # fmt: skip
+def test_find_memory_cgroup(proc_cgroup, mountinfo, expected):
+    assert find_memory_cgroup(proc_cgroup, mountinfo, read_from(V2_CONTROLLERS)) == expected
+
+
+def test_proc_cgroup_keys_v1_controllers_and_the_unified_entry():
+    assert parse_proc_cgroup("4:memory,cpu:/a\n0::/b\n9:name=systemd:/c:d\nodd\n") == {
+        "memory": "/a",
+        "cpu": "/a",
+        "": "/b",
+        "name=systemd": "/c:d",
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        (b"max\n", None),
+        (V1_UNLIMITED.encode() + b"\n", None),
+        (b"524288000\n", 524288000),
+        (b"0\n", 0),
+        (b"", None),
+    ],
+)
+def test_parse_limit(text, value):
+    assert parse_limit(text) == value
+
+
+def test_stat_field_matches_whole_names():
+    stat = b"cache 10\ninactive_file 7\ntotal_inactive_file 30\nhierarchical_memory_limit 99"
+    assert stat_field(stat, b"inactive_file") == 7
+    assert stat_field(stat, b"total_inactive_file") == 30
+    assert stat_field(stat, b"hierarchical_memory_limit") == 99  # last line, no newline
+    assert stat_field(stat, b"file") is None
+
+
+@pytest.mark.parametrize(
+    ("usage", "inactive", "expected"), [(300, 50, 250), (300, 0, 300), (40, 50, 0)]
+)
+def test_working_set_is_usage_less_inactive_file(usage, inactive, expected):
+    assert working_set(usage, inactive) == expected
+
+
+def v1_stat(limit, inactive, own_inactive=0):
+    return (
+        f"cache 1\ninactive_file {own_inactive}\nhierarchical_memory_limit {limit}\n"
+        f"total_cache 2\ntotal_inactive_file {inactive}\n"
+    ).encode()
+
+
+@pytest.mark.parametrize(
+    ("stat", "usage", "expected"),
+    [
+        (v1_stat(V1_UNLIMITED, 0), b"100\n", None),
+        # total_inactive_file (the whole subtree), not the cgroup's own inactive_file
+        (v1_stat(500 * MiB, 50 * MiB, own_inactive=5 * MiB), b"%d\n" % (300 * MiB),
+         CgroupLimit(500 * MiB, 250 * MiB, "/a")),
+        (v1_stat(500 * MiB, 0), b"%d\n" % (500 * MiB), CgroupLimit(500 * MiB, 500 * MiB, "/a")),
+    ],
+)  # fmt: skip
+def test_v1_level(stat, usage, expected):
+    assert v1_level(stat, lambda: usage, "/a") == expected
+
+
+def never():
+    raise AssertionError("usage read without a limit")
+
+
+@pytest.mark.parametrize(
+    ("memory_max", "memory_high", "expected"),
+    [
+        (b"max\n", b"max\n", None),
+        (b"1000\n", b"max\n", CgroupLimit(1000, 500, "/a")),
+        (b"1000\n", b"800\n", CgroupLimit(800, 500, "/a")),  # throttled hard above high
+        (b"max\n", b"900\n", CgroupLimit(900, 500, "/a")),
+    ],
+)
+def test_v2_level_takes_the_lower_of_max_and_high(memory_max, memory_high, expected):
+    stat = b"anon 400\nfile 200\nactive_file 100\ninactive_file 100\n"
+    current = (lambda: b"600\n") if expected else never
+    assert v2_level(memory_max, memory_high, current, lambda: stat, "/a") == expected
+
+
+@pytest.mark.parametrize(
+    ("limits", "expected"),
+    [
+        ([], None),
+        ([None, None], None),
+        ([CgroupLimit(1000, 100, "/a/b"), CgroupLimit(800, 300, "/a")], "/a"),
+        ([CgroupLimit(1000, 600, "/a/b"), CgroupLimit(2000, 700, "/a")], "/a/b"),
+        # a parent's larger limit binds first when siblings use most of it
+        ([CgroupLimit(500, 100, "/a/b"), None, CgroupLimit(900, 850, "/")], "/"),
+    ],
+)
+def test_tightest_is_the_least_room(limits, expected):
+    found = tightest(limits)
+    assert (found.path if found else None) == expected
+
+
+def make_tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def levels(root: Path, *paths: str) -> tuple[tuple[str, str], ...]:
+    return tuple((path, str(root) + path.rstrip("/")) for path in paths)
+
+
+def test_v2_tree_reads_every_level_and_skips_the_root(tmp_path):
+    make_tree(tmp_path, {
+        # the root cgroup has no memory.max: left out, never read
+        "memory.current": "1", "memory.stat": "inactive_file 0\n",
+        "a/memory.max": "1000\n", "a/memory.high": "max\n", "a/memory.current": "700\n",
+        "a/memory.stat": "inactive_file 100\n",
+        "a/b/memory.max": "max\n", "a/b/memory.high": "2000\n", "a/b/memory.current": "500\n",
+        "a/b/memory.stat": "inactive_file 0\n",
+    })  # fmt: skip
+    memory = CgroupMemory(MemoryCgroup(2, levels(tmp_path, "/a/b", "/a", "/")), OpenFiles())
+    assert memory.read() == CgroupLimit(1000, 600, "/a")
+    (tmp_path / "a/memory.max").write_text("max\n")  # limits change at run time
+    assert memory.read() == CgroupLimit(2000, 500, "/a/b")
+
+
+def test_v1_tree_stops_at_the_first_unlimited_level(tmp_path):
+    make_tree(tmp_path, {
+        "memory.stat": v1_stat(V1_UNLIMITED, 0).decode(),
+        "a/memory.stat": v1_stat(1000, 100).decode(), "a/memory.usage_in_bytes": "900\n",
+        "a/b/memory.stat": v1_stat(1000, 0).decode(), "a/b/memory.usage_in_bytes": "300\n",
+    })  # fmt: skip
+    # The root's usage file is missing: reading it would fail, so the walk must stop first.
+    memory = CgroupMemory(MemoryCgroup(1, levels(tmp_path, "/a/b", "/a", "/")), OpenFiles())
+    memory._levels += (("/", (str(tmp_path / "memory.stat"), str(tmp_path / "missing"))),)
+    assert memory.read() == CgroupLimit(1000, 800, "/a")
+
+
+def test_host_probe_says_the_cgroup_binds(tmp_path):
+    make_tree(tmp_path, {
+        "x/memory.max": f"{64 * MiB}\n", "x/memory.high": "max\n",
+        "x/memory.current": f"{48 * MiB}\n", "x/memory.stat": f"inactive_file {8 * MiB}\n",
+    })  # fmt: skip
+    cgroup = MemoryCgroup(2, levels(tmp_path, "/x"))
+    reading = HostProbe(cgroup=cgroup).read()
+    assert reading.free_bytes == 24 * MiB
+    assert reading.limit.describe() == "64 MiB (cgroup /x)"
+    # A tighter --memory-limit binds instead.
+    rss = reading.resident_bytes
+    reading = HostProbe(cgroup=cgroup, memory_limit_bytes=rss + 4 * MiB).read()
+    assert (reading.limit.source, reading.limit.where) == ("flag", "--memory-limit")
+    assert reading.free_bytes <= 5 * MiB
+    # No cgroup: the host's memory.
+    assert HostProbe(cgroup=None).read().limit.source == "host"

@@ -1,0 +1,50 @@
+"""Warm-up under a memory limit, over a scripted model and probe."""
+
+import pytest
+
+from batching import AdaptiveConfig, AdaptiveSizer, MemoryLimit, PeakModel
+from server import Settings
+from server.runtime.runtime import Runtime
+from tests.fakes import ScriptedModel, ScriptedProbe
+
+
+async def warm_up_sizes(registry, limit, *, max_batch_size=1024):
+    """Batch sizes of start-up: 1 MiB free at 1 KiB per token fits 32 x 32 and 16 x 64."""
+    model = ScriptedModel(max_input_tokens=64)
+    config = AdaptiveConfig(
+        max_items=max_batch_size, max_tokens=10**6, headroom_fraction=0, safety_factor=1.0
+    )
+    settings = Settings(max_batch_size=max_batch_size, max_batch_tokens=10**6)
+    runtime = Runtime(
+        settings, registry=registry, model=model,
+        sizer=AdaptiveSizer(PeakModel(alpha=1024, beta=0), config),
+        probe=ScriptedProbe(2**20, limit),
+    )  # fmt: skip
+    await runtime.start()
+    try:
+        assert runtime.startup_error is None
+        return model.batch_sizes
+    finally:
+        await runtime.stop()
+
+
+@pytest.mark.parametrize(
+    ("source", "sizes"),
+    [
+        # The kernel kills past these limits: a quarter of each length's batch runs first.
+        ("cgroup", [1, 8, 32, 4, 16]),
+        ("host", [1, 8, 32, 4, 16]),
+        # These fail an allocation instead, which warm-up already handles by halving.
+        ("flag", [1, 32, 16]),
+        ("rlimit", [1, 32, 16]),
+    ],
+)
+async def test_where_memory_sets_the_warm_up_batch_a_killing_limit_gets_a_scout(
+    registry, source, sizes
+):
+    assert await warm_up_sizes(registry, MemoryLimit(source, 2**21, "x")) == sizes
+
+
+async def test_no_scout_where_a_cap_sets_the_warm_up_batch(registry):
+    limit = MemoryLimit("cgroup", 2**21, "/x")
+    assert await warm_up_sizes(registry, limit, max_batch_size=8) == [1, 8, 8]
