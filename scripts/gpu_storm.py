@@ -120,12 +120,13 @@ def _storm(
     oom_failed = after.get('batchfit_oom_events_total{outcome="failed"}', 0.0)
     # What the replica could use when the burst began: what its probes called free (torch's
     # own cache included) plus what it held already.
-    room = at_ready.get("batchfit_memory_free_bytes", 0.0) + at_ready.get(
-        "batchfit_torch_reserved_bytes", at_ready.get("batchfit_host_resident_bytes", 0.0)
+    held = (
+        "batchfit_torch_reserved_bytes"
+        if plan.device.startswith("cuda")
+        else "batchfit_host_resident_bytes"
     )
-    held_peak = sampler.high.get(
-        "batchfit_torch_reserved_bytes", sampler.high.get("batchfit_host_resident_bytes", 0.0)
-    )
+    room = at_ready.get("batchfit_memory_free_bytes", 0.0) + at_ready.get(held, 0.0)
+    held_peak = sampler.high.get(held, 0.0)
     ready = httpx.get(f"{url}/health/ready", timeout=10).status_code == 200
     dtype = httpx.get(f"{url}/v1/models", timeout=10).json()["models"][0]["dtype"]
     figures: dict[str, Any] = {
