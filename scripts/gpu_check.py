@@ -47,8 +47,11 @@ def storm(device: str, work: Path) -> bool:
     else:
         plans = [StormPlan(device, "adaptive", "auto", 24, 8, inputs_per_request=4,
                            memory_limit=str(640 * 2**20))]  # fmt: skip
-    runs = [run_storm(plan, texts, reference, work / "logs") for plan in plans]
-    write_json(work / "storm.json", {"runs": runs})
+    runs = []
+    for plan in plans:
+        logging.info("storm: %s sizer, --dtype %s", plan.sizer, plan.dtype)
+        runs.append(run_storm(plan, texts, reference, work / "logs"))
+        write_json(work / "storm.json", {"runs": runs})  # kept if a later run is cut short
     return all(run["passed"] for run in runs)
 
 
@@ -62,10 +65,10 @@ def throughput(device: str, work: Path) -> bool:
         big = str(save_tiny_model(folder / "bert-large-random", **BERT_LARGE))
         big_caps = {"max_batch_size": 1024, "max_batch_tokens": 262144, "memory_limit": "4GiB"}
         plans = [
-            ThroughputPlan("MiniLM float32", device, BUNDLED, "float32", 800, 64),
             ThroughputPlan("MiniLM float16", device, BUNDLED, "float16", 800, 64),
-            ThroughputPlan("BERT-large float32", device, big, "float32", 400, 64, **big_caps),
+            ThroughputPlan("MiniLM float32", device, BUNDLED, "float32", 800, 64),
             ThroughputPlan("BERT-large float16", device, big, "float16", 400, 64, **big_caps),
+            ThroughputPlan("BERT-large float32", device, big, "float32", 400, 64, **big_caps),
         ]
     else:
         tiny = str(save_tiny_model(folder / "tiny-bert-random"))
@@ -77,7 +80,7 @@ def throughput(device: str, work: Path) -> bool:
     for plan in plans:
         logging.info("throughput: %s", plan.label)
         runs.append(run_throughput(plan, work / "logs"))
-    write_json(work / "throughput.json", {"runs": runs})
+        write_json(work / "throughput.json", {"runs": runs})  # kept if a later run is cut short
     return all(run["passed"] for run in runs)
 
 
