@@ -15,6 +15,8 @@ import logging
 import math
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,16 @@ BERT_LARGE = {
     "max_position_embeddings": 512,
 }
 STEPS = ("tests", "storm", "throughput")
+
+
+def guarded(run: Callable[..., dict[str, Any]], plan: Any, *args: Any) -> dict[str, Any]:
+    """One run's figures; a run that breaks is recorded as failed, and the next one runs."""
+    try:
+        return run(plan, *args)
+    except Exception as exc:
+        logging.exception("%s failed", plan)
+        return {"plan": asdict(plan), "error": f"{type(exc).__name__}: {exc}"[:2000],
+                "checks": {}, "passed": False}  # fmt: skip
 
 
 def storm(device: str, work: Path) -> bool:
@@ -50,7 +62,7 @@ def storm(device: str, work: Path) -> bool:
     runs = []
     for plan in plans:
         logging.info("storm: %s sizer, --dtype %s", plan.sizer, plan.dtype)
-        runs.append(run_storm(plan, texts, reference, work / "logs"))
+        runs.append(guarded(run_storm, plan, texts, reference, work / "logs"))
         write_json(work / "storm.json", {"runs": runs})  # kept if a later run is cut short
     return all(run["passed"] for run in runs)
 
@@ -79,7 +91,7 @@ def throughput(device: str, work: Path) -> bool:
     runs = []
     for plan in plans:
         logging.info("throughput: %s", plan.label)
-        runs.append(run_throughput(plan, work / "logs"))
+        runs.append(guarded(run_throughput, plan, work / "logs"))
         write_json(work / "throughput.json", {"runs": runs})  # kept if a later run is cut short
     return all(run["passed"] for run in runs)
 
@@ -145,8 +157,12 @@ def markdown(results: dict[str, Any], device: str) -> str:
         "| room at ready | held peak | min cosine | ready | grow-back batches |",
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
+    errors = []
     for run in (results.get("storm") or {}).get("runs", []):
         plan, grow = run["plan"], run.get("grow_back", {})
+        if "error" in run:
+            errors.append(f"storm ({plan['sizer']}): {run['error']}")
+            continue
         lines.append(
             f"| {plan['sizer']} | {run.get('replica_dtype', plan['dtype'])} | "
             f"{plan['num_inputs']} | {run.get('failed_requests') or 0} | "
@@ -166,6 +182,9 @@ def markdown(results: dict[str, Any], device: str) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in (results.get("throughput") or {}).get("runs", []):
+        if "error" in run:
+            errors.append(f"throughput ({run['plan']['label']}): {run['error']}")
+            continue
         rep, lim, mem = run["replica"], run["limit"], run["memory"]
         lines.append(
             f"| {run['plan']['label']} | {_num(rep['inputs_per_s'])} | "
@@ -175,6 +194,8 @@ def markdown(results: dict[str, Any], device: str) -> str:
             f"{_mib(mem['budget_low_bytes'])} | {_mib(mem['measured_batch_peak_high_bytes'])} | "
             f"{_num(mem['peak_vs_budget'], '.2f')} |"
         )
+    if errors:
+        lines += ["", "## Runs that broke", "", *(f"- {e}" for e in errors)]
     return "\n".join(lines) + "\n"
 
 
