@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench clean gpu-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ lint: install
 
 test: lint
 	$(PY) -m pytest
+
+# Wheels of every runtime dependency a bare GPU machine lacks (never torch), for
+# scripts/gpu_check.sh there; see docs/gpu.md.
+gpu-wheels: install
+	$(PY) -m scripts.gpu_wheels --dest .whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
 TASKS = ("auto", "embed", "classify")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("auto", *_DTYPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,8 @@ class ModelSpec:
     model: str = BUNDLED_MODEL
     task: str = "auto"
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"
+    """float32, float16, bfloat16, or auto: see ``resolve_dtype``."""
     max_input_tokens: int | None = None
     quantize: str = "none"
     num_threads: int | None = None
@@ -55,6 +57,16 @@ def resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
     return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """``auto`` is float16 on CUDA (as TEI and Infinity default) and float32 elsewhere; any
+    other name must be one we know."""
+    if dtype == "auto":
+        return "float16" if device.type == "cuda" else "float32"
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    return dtype
 
 
 def cpu_threads(requested: int | None) -> int:
@@ -131,19 +143,20 @@ def load_model(spec: ModelSpec) -> Model:
     """Load the model named by ``spec`` (safetensors only, no remote code), or call the
     factory of a ``python:package.module:factory`` entry point."""
     if is_entry_point(spec.model):
-        if resolve_device(spec.device).type == "cpu":
+        device = resolve_device(spec.device)
+        if device.type == "cpu":
             torch.set_num_threads(cpu_threads(spec.num_threads))
-        return load_entry_point(spec)
+        # A factory receives a concrete dtype, never "auto".
+        return load_entry_point(replace(spec, dtype=resolve_dtype(spec.dtype, device)))
     path = resolve_model_path(spec.model)
     device = resolve_device(spec.device)
-    if spec.dtype not in _DTYPES:
-        raise ModelLoadError(f"unknown dtype {spec.dtype!r}; expected one of {', '.join(_DTYPES)}")
-    dtype = _DTYPES[spec.dtype]
+    dtype_name = resolve_dtype(spec.dtype, device)
+    dtype = _DTYPES[dtype_name]
     check_quantize(spec.quantize, device, dtype)
     if device.type == "cpu":
         # Called on the thread that will run the forward passes (the model thread).
         torch.set_num_threads(cpu_threads(spec.num_threads))
-    log.info("loading model %s from %s on %s (%s)", spec.model, path, device, spec.dtype)
+    log.info("loading model %s from %s on %s (%s)", spec.model, path, device, dtype_name)
     transformers_logging.disable_progress_bar()
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)

@@ -23,27 +23,25 @@ def tiny_bert_config(**overrides: object) -> BertConfig:
     return BertConfig(**base)
 
 
-def save_tiny_model(
-    folder: Path, *, task: str = "embed", seed: int = 0, **overrides: object
-) -> Path:
-    """Write a tiny BERT with random weights and the bundled tokenizer to ``folder``;
-    ``overrides`` change the config (``initializer_range=1.0``: outputs that vary by input)."""
+def save_tiny_model(folder: Path, *, task: str = "embed", seed: int = 0, **config: object) -> Path:
+    """Write a BERT with random weights and the bundled tokenizer to ``folder``: tiny, unless
+    ``config`` overrides its shape (hidden_size, num_hidden_layers, ...)."""
     torch.manual_seed(seed)
     if task == "classify":
-        config = tiny_bert_config(
+        bert_config = tiny_bert_config(
             num_labels=3,
             id2label={0: "negative", 1: "neutral", 2: "positive"},
             label2id={"negative": 0, "neutral": 1, "positive": 2},
             architectures=["BertForSequenceClassification"],
-            **overrides,
+            **config,
         )
-        module = BertForSequenceClassification(config)
+        module = BertForSequenceClassification(bert_config)
     else:
-        config = tiny_bert_config(architectures=["BertModel"], **overrides)
-        module = BertModel(config)
+        bert_config = tiny_bert_config(architectures=["BertModel"], **config)
+        module = BertModel(bert_config)
     folder.mkdir(parents=True, exist_ok=True)
     module.save_pretrained(folder, safe_serialization=True)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(BUNDLED_MODEL))
-    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.model_max_length = bert_config.max_position_embeddings
     tokenizer.save_pretrained(folder)
     return folder

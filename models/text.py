@@ -61,6 +61,11 @@ class TextModel:
     ) -> None:
         self._module = module
         self._device = device
+        # NOTE: on CUDA, batches are collated into page-locked (pinned) host memory, so the
+        # copies to the device are DMA transfers queued without blocking this thread.
+        # torch's pinned-memory cache records each copy's stream, so a pinned block freed
+        # here is not reused before its copy has finished.
+        self._pin_memory = device.type == "cuda"
         self._pad_token_id = pad_token_id
         self._postprocess = postprocess
         self._accepts_token_type_ids = "token_type_ids" in module.forward.__code__.co_varnames
@@ -101,22 +106,26 @@ class TextModel:
         ids = [1000] * length
         return [Item(data=ids, cost=length) for _ in range(num_items)]
 
-    def collate(self, items: Sequence[Item]) -> tuple[torch.Tensor, torch.Tensor]:
+    def collate(
+        self, items: Sequence[Item], *, pin_memory: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input ids and attention mask on the host, padded to the longest item."""
         max_len = max(item.cost for item in items)
-        input_ids = torch.full((len(items), max_len), self._pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(items), max_len), dtype=torch.long)
+        shape = (len(items), max_len)
+        input_ids = torch.full(shape, self._pad_token_id, dtype=torch.long, pin_memory=pin_memory)
+        attention_mask = torch.zeros(shape, dtype=torch.long, pin_memory=pin_memory)
         for row, item in enumerate(items):
             input_ids[row, : item.cost] = torch.tensor(item.data, dtype=torch.long)
             attention_mask[row, : item.cost] = 1
         return input_ids, attention_mask
 
     def forward(self, items: Sequence[Item]) -> list[Any]:
-        input_ids, attention_mask = self.collate(items)
+        input_ids, attention_mask = self.collate(items, pin_memory=self._pin_memory)
         error: BaseException | None = None
         try:
             with torch.inference_mode():
-                input_ids = input_ids.to(self._device, non_blocking=True)
-                attention_mask = attention_mask.to(self._device, non_blocking=True)
+                input_ids = input_ids.to(self._device, non_blocking=self._pin_memory)
+                attention_mask = attention_mask.to(self._device, non_blocking=self._pin_memory)
                 kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
                 if self._accepts_token_type_ids:
                     kwargs["token_type_ids"] = torch.zeros_like(input_ids)

@@ -27,9 +27,10 @@ class Settings(BaseSettings):
         "auto", description="embed (mean-pooled, normalised) or classify; auto reads the config."
     )
     device: str = Field("auto", description="cuda, cuda:N or cpu; auto picks CUDA if present.")
-    dtype: Literal["float32", "float16", "bfloat16"] = Field(
-        "float32",
-        description="Weights and activations dtype: float16 for CUDA, bfloat16 on CPU or CUDA.",
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description="Weights and activations dtype; auto is float16 on CUDA and float32 on CPU. "
+        "bfloat16 runs on either.",
     )
     quantize: Literal["none", "int8"] = Field(
         "none",

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU check, in one command on a bare NVIDIA machine with Python 3.12 and torch (CUDA),
+# and no network: see docs/gpu.md.
+#
+#   scripts/gpu_check.sh [--dry-run] [--out DIR]
+#
+# Installs .whl/*.whl (`make gpu-wheels`) into a folder of its own, keeps the machine's torch,
+# runs (1) pytest -m gpu, (2) an out-of-memory storm against a real replica, (3) throughput
+# against the in-process limit, and writes results.json, summary.md, check.log and logs.tar.gz
+# to $OUT (default gpu-results/). Exits non-zero if any step failed. --dry-run runs every step
+# on the CPU, at small sizes, with the CPU counterparts of the GPU parts and the Python
+# environment already in use (no wheels).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+DRY_RUN=0
+OUT=${OUT:-gpu-results}
+while [ $# -gt 0 ]; do
+    case $1 in
+        --dry-run) DRY_RUN=1 ;;
+        --out) OUT=$2; shift ;;
+        *) echo "usage: $0 [--dry-run] [--out DIR]" >&2; exit 2 ;;
+    esac
+    shift
+done
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/batchfit-gpu-check.XXXXXX")
+exec > >(tee "$OUT/check.log") 2>&1
+PYTHON=${PYTHON:-python3}
+started=$(date +%s)
+
+if [ "$DRY_RUN" = 1 ]; then
+    DEVICE=cpu
+    # Step time limits (seconds): generous on a shared CPU host.
+    LIMITS=(240 300 300)
+else
+    DEVICE=cuda
+    # 7 min 20 s in all, plus the install: inside the 8 minutes the check may take.
+    LIMITS=(90 150 200)
+    shopt -s nullglob
+    wheels=("$ROOT"/.whl/*.whl)
+    if [ ${#wheels[@]} = 0 ]; then
+        echo "no wheels in $ROOT/.whl: run 'make gpu-wheels' where there is a network" >&2
+        exit 2
+    fi
+    SITE="$WORK/site"
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$SITE" "${wheels[@]}" || { echo "wheel install failed" >&2; exit 2; }
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+cd "$ROOT" || exit 2
+echo "gpu check: device $DEVICE, out $OUT, work $WORK"
+"$PYTHON" -m scripts.gpu_check machine --device "$DEVICE" --work "$WORK" || exit 2
+
+step() {  # name, time limit, command...
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    t0=$(date +%s)
+    echo "=== step $name (at most ${limit}s)"
+    timeout --kill-after=10 "$limit" "$@"
+    rc=$?
+    echo "=== step $name: exit $rc after $(($(date +%s) - t0))s"
+    STATUS+=("$name=$rc")
+}
+STATUS=()
+step tests "${LIMITS[0]}" env BATCHFIT_GPU_CHECK_DEVICE=$DEVICE BATCHFIT_GPU_CHECK_OUT="$WORK" \
+    "$PYTHON" -m pytest tests/gpu -m gpu -q -p no:cacheprovider --timeout "${LIMITS[0]}" \
+    -W ignore::pytest.PytestConfigWarning
+step storm "${LIMITS[1]}" "$PYTHON" -m scripts.gpu_check storm --device "$DEVICE" --work "$WORK"
+step throughput "${LIMITS[2]}" \
+    "$PYTHON" -m scripts.gpu_check throughput --device "$DEVICE" --work "$WORK"
+
+dry=()
+[ "$DRY_RUN" = 1 ] && dry=(--dry-run)
+"$PYTHON" -m scripts.gpu_check summary --device "$DEVICE" --work "$WORK" --out "$OUT" \
+    "${dry[@]}" --status "${STATUS[@]}"
+rc=$?
+[ -d "$WORK/logs" ] && tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs
+rm -rf "$WORK"
+echo "gpu check: $([ $rc = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - started))s;" \
+    "figures in $OUT/results.json and $OUT/summary.md"
+exit $rc
