@@ -34,7 +34,7 @@ def open_items(metrics_url: str) -> float:
 def test_sigterm_mid_run_drains_and_no_client_sees_a_failure(tmp_path):
     with run_launcher(
         tmp_path, "--max-batch-size", "8", "--rate-limit-rps", "1000",
-        "--rate-limit-burst", "1000", "--drain-timeout-s", "20", replicas=3,
+        "--rate-limit-burst", "1000", "--drain-timeout-s", "20", "--no-restart", replicas=3,
     ) as cluster, ThreadPoolExecutor(2) as pool:  # fmt: skip
         victim_url, victim_pid = cluster.replicas[VICTIM]
         victim = cluster.address(VICTIM)

@@ -29,11 +29,12 @@ CONCURRENCY = 32
 # of new shapes (n inputs x L tokens) arrive (oneDNN's primitive cache, heap fragmentation;
 # not per request) and then stays flat (idle readings within a few MiB), hence the long
 # warm-up. The soak sends about 2.4 inputs a request to the model, so a leak of 12 KiB an
-# input (about 28 MiB per 1,000 requests) is far above the bound; leaked futures, tasks and
+# input (about 28 MiB per 1,000 requests; 61 measured) is above the bound (clean runs measured
+# +4 to +16 on a busy host); leaked futures, tasks and
 # queue entries are checked exactly.
 RSS_CHUNK = 250
 SETTLE_REQUESTS = 500
-MAX_RSS_SLOPE_MIB_PER_1000 = 10.0
+MAX_RSS_SLOPE_MIB_PER_1000 = 20.0
 
 WORDS = [
     "batch",
