@@ -79,7 +79,10 @@ def create_app(
     api_keys = settings.api_keys()
     if api_keys:
         # Added first, so it runs inside the request-id and metrics middleware.
-        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+        # The admin endpoints check their own token in the same header; the API key is not
+        # asked for there (it could not be sent alongside).
+        exempt = ("/admin/",) if settings.admin_token is not None else ()
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys, exempt_prefixes=exempt)
     app.add_middleware(
         RequestContextMiddleware, max_body_bytes=settings.max_body_bytes, metrics=runtime.metrics
     )
