@@ -185,3 +185,27 @@ async def test_metrics_and_models(registry):
     assert "batchfit_batch_size_bucket" in scrape
     assert "batchfit_queue_depth 0.0" in scrape
     assert models["models"][0]["name"] == "scripted"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "message"),
+    [
+        ({"content": b'{"inputs": "\xff\xfe"}'}, 400, "body is not valid UTF-8"),
+        ({"json": {"inputs": [1, 2]}}, 422, "inputs must be a string or a list of strings"),
+        ({"json": {"inputs": 5}}, 422, "inputs must be a string or a list of strings"),
+        ({"json": {"inputs": [["a"]]}}, 422, "inputs must be a string or a list of strings"),
+        (
+            {"json": {"inputs": 5, "truncate": "yes"}},
+            422,
+            "inputs must be a string or a list of strings; truncate: Input should be a valid "
+            "boolean",
+        ),
+        ({"json": {}}, 422, "inputs: Field required"),
+    ],
+)
+async def test_error_messages_say_what_is_wrong(registry, kwargs, status, message):
+    headers = {"content-type": "application/json"}
+    async with running(ScriptedModel(), registry) as client:
+        response = await client.post("/v1/infer", headers=headers, **kwargs)
+    body = assert_error(response, status, "invalid_json" if status == 400 else "invalid_request")
+    assert body["error"] == message
