@@ -18,7 +18,7 @@ from bench.cli import add_bench_flags, bench
 
 from .app import create_app
 from .runtime.drain import DrainingServer
-from .runtime.plan import memory_plan
+from .runtime.plan import PLAN_FIELDS, memory_plan
 from .settings import LauncherSettings, Settings
 from .supervise.launcher import REPLICA_ADDRESS_FIELDS, up
 from .supervise.nginx import UVICORN_KEEP_ALIVE_S
@@ -29,10 +29,12 @@ def add_settings_flags(
     settings_class: type[BaseSettings] = Settings,
     *,
     skip: frozenset[str] = frozenset(),
+    only: frozenset[str] | None = None,
 ) -> None:
-    """One flag per Settings field; unset flags fall back to BATCHFIT_* and then defaults."""
+    """One flag per Settings field (those in ``only``, if given, less ``skip``); unset flags
+    fall back to BATCHFIT_* and then defaults."""
     for name, field in settings_class.model_fields.items():
-        if name in skip:
+        if name in skip or (only is not None and name not in only):
             continue
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
@@ -114,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser = commands.add_parser(
         "plan", help="Load the model, calibrate memory as serve does, print the memory plan."
     )
-    add_settings_flags(plan_parser)
+    add_settings_flags(plan_parser, only=PLAN_FIELDS)
     add_settings_flags(serve_parser)
     up_parser = commands.add_parser(
         "up",
