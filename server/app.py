@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry, disable_created_metrics
 from starlette.responses import Response
 
@@ -25,6 +26,8 @@ from .runtime import Runtime
 from .settings import Settings
 
 log = logging.getLogger("batchfit")
+
+DOCS_ASSETS_URL = "/docs/assets"
 
 
 def create_app(
@@ -68,11 +71,15 @@ def create_app(
                     await starting
                 await runtime.stop()
 
-    app = FastAPI(
+    # /docs and /redoc from assets shipped in a package: no CDN, so they work offline.
+    app = FastAPIOffline(
         title="Batchfit",
         summary="Adaptive-batching inference server",
         version="0.1.0",
         lifespan=lifespan,
+        static_url=DOCS_ASSETS_URL,
+        # Swagger UI's validator badge is an image from an outside host.
+        swagger_ui_parameters={"validatorUrl": None},
     )
     app.state.runtime = runtime
     app.state.registry = registry
