@@ -79,6 +79,19 @@ def configure_logging(level: str) -> None:
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = "64"
 
 
+class ListeningMessage(logging.Filter):
+    """Rewrites uvicorn's "Uvicorn running on ..." line: it comes while the model is still
+    loading, and reads as if the server were ready."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Uvicorn running on"):
+            record.msg = (
+                "listening on %s://%s:%d; loading the model (/health/ready is 503 until ready)"
+            )
+            record.__dict__.pop("color_message", None)
+        return True
+
+
 def serve(settings: Settings) -> int:
     configure_logging(settings.log_level)
     # Read by oneDNN at its first use: before the model loads. An operator's value wins.
@@ -88,6 +101,8 @@ def serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # uvicorn's loggers go through ours (one format) instead of its own config.
+        log_config=None,
         access_log=False,
         # Nginx keeps upstream connections alive for less than this, so it never reuses a
         # connection uvicorn is closing.
@@ -96,6 +111,7 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=10,
         lifespan="on",
     )
+    logging.getLogger("uvicorn.error").addFilter(ListeningMessage())
     app = create_app(settings, on_fatal=lambda: setattr(server, "should_exit", True))
     runtime = app.state.runtime
     server = DrainingServer(

@@ -14,10 +14,10 @@ TIMEOUT = 10
 
 
 @contextlib.asynccontextmanager
-async def running(model, registry, wait_ready=True, **settings):
+async def running(model, registry, wait_ready=True, probe=None, **settings):
     # A scripted model has no real memory to size batches by: a fixed budget, unless asked.
     settings = {"sizer": "fixed", **settings}
-    app = create_app(Settings(**settings), model=model, registry=registry)
+    app = create_app(Settings(**settings), model=model, registry=registry, probe=probe)
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),

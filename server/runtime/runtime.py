@@ -39,6 +39,7 @@ from models import BatchProfiler, DeviceError, Model, ModelInfo, ModelOutOfMemor
 from ..errors import ApiError, draining, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
+from .announce import ready_line
 from .tracking import WorkTracker
 
 log = logging.getLogger("batchfit")
@@ -155,12 +156,13 @@ class Runtime:
             probe=self.probe,
             memory_metrics=self.memory_metrics,
         )
+        log.info("warming up: the largest batches the memory budget allows")
         await self._warm_up(self.batcher)
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
         self._started = True
         self.metrics.ready.set(1)
-        log.info("ready in %.1fs", time.perf_counter() - started)
+        log.info("%s", ready_line(self, time.perf_counter() - started))
 
     def _limit_host_memory(self, limit_bytes: int) -> None:
         assert self.probe is not None
