@@ -15,6 +15,7 @@ from starlette.responses import Response
 from batching import Clock, MemoryProbe, Sizer
 from models import Model
 
+from .access_log import AccessLog
 from .admin import make_admin_router
 from .auth import ApiKeyMiddleware
 from .errors import install_error_handlers
@@ -90,9 +91,11 @@ def create_app(
         # asked for there (it could not be sent alongside).
         exempt = ("/admin/",) if settings.admin_token is not None else ()
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, exempt_prefixes=exempt)
+    observers = [AccessLog()] if settings.access_log else []
     app.add_middleware(
-        RequestContextMiddleware, max_body_bytes=settings.max_body_bytes, metrics=runtime.metrics
-    )
+        RequestContextMiddleware, max_body_bytes=settings.max_body_bytes,
+        metrics=runtime.metrics, observers=observers,
+    )  # fmt: skip
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(openai.router)

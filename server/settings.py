@@ -153,6 +153,12 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+    access_log: bool = Field(
+        False,
+        description="Write one JSON line per request to stdout: request id, endpoint, status, "
+        "inputs, tokens, queue wait, batch sizes and duration (never the text). Health checks, "
+        "metrics scrapes and the status page's polling are left out.",
+    )
 
     def api_keys(self) -> tuple[str, ...]:
         """Every accepted API key; empty when auth is off."""

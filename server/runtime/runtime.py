@@ -40,6 +40,7 @@ from ..errors import ApiError, draining, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
+from .trace import RequestTrace
 from .tracking import WorkTracker
 
 log = logging.getLogger("batchfit")
@@ -302,8 +303,10 @@ class Runtime:
         timeout_s: float,
         request_id: str,
         priority: int = 0,
+        trace: RequestTrace | None = None,
     ) -> tuple[list[Any], int]:
-        """Queue every input as one item and wait for all of them; return outputs and tokens."""
+        """Queue every input as one item and wait for all of them; return outputs and tokens.
+        ``trace``, if given, is filled in with what the request went through."""
         if self.draining:
             raise draining()
         if not self.ready or self.model is None:
@@ -311,12 +314,12 @@ class Runtime:
         with self.work.request():
             return await self._infer(
                 inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
-                priority=priority,
+                priority=priority, trace=trace if trace is not None else RequestTrace(),
             )  # fmt: skip
 
     async def _infer(
         self, inputs: Sequence[str], *, truncate: bool, timeout_s: float, request_id: str,
-        priority: int,
+        priority: int, trace: RequestTrace,
     ) -> tuple[list[Any], int]:  # fmt: skip
         loop = asyncio.get_running_loop()
         if sum(len(text) for text in inputs) > INLINE_TOKENIZE_CHARS:
@@ -324,6 +327,7 @@ class Runtime:
             items = await loop.run_in_executor(self.tokenizer_thread, prepare)
         else:
             items = self.model.prepare(inputs, truncate=truncate)
+        trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
         now = self.clock.now()
         deadline = now + timeout_s
         pendings = [
@@ -358,7 +362,8 @@ class Runtime:
                     pending.future.cancel()
             self.queue.discard(pendings)
             self.batching_metrics.queue_depth.set(len(self.queue))
-        return outputs, sum(item.cost for item in items)
+            trace.record(pendings)
+        return outputs, trace.tokens
 
 
 def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
