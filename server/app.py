@@ -25,6 +25,8 @@ from .protocols import kserve_v2, openai
 from .routes import metrics_response, router
 from .runtime import Runtime
 from .settings import Settings
+from .status import ASSETS_URL as STATUS_ASSETS_URL
+from .status import StatusHistory, make_status_router, status_assets
 
 log = logging.getLogger("batchfit")
 
@@ -64,12 +66,14 @@ def create_app(
                     serve_metrics(registry, host=settings.host, port=settings.metrics_port)
                 )
             starting = asyncio.create_task(runtime.start(), name="batchfit-start")
+            sampling = asyncio.create_task(history.run(), name="batchfit-status")
             try:
                 yield
             finally:
-                starting.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await starting
+                for task in (starting, sampling):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
                 await runtime.stop()
 
     # /docs and /redoc from assets shipped in a package: no CDN, so they work offline.
@@ -91,7 +95,11 @@ def create_app(
         # asked for there (it could not be sent alongside).
         exempt = ("/admin/",) if settings.admin_token is not None else ()
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, exempt_prefixes=exempt)
-    observers = [AccessLog()] if settings.access_log else []
+    history = StatusHistory(
+        registry, queue_depth=lambda: len(runtime.queue), window_s=settings.status_window_s
+    )
+    app.state.status_history = history
+    observers = [history.observe, *([AccessLog()] if settings.access_log else [])]
     app.add_middleware(
         RequestContextMiddleware, max_body_bytes=settings.max_body_bytes,
         metrics=runtime.metrics, observers=observers,
@@ -100,6 +108,8 @@ def create_app(
     app.include_router(router)
     app.include_router(openai.router)
     app.include_router(kserve_v2.router)
+    app.include_router(make_status_router(history))
+    app.mount(STATUS_ASSETS_URL, status_assets(), name="status-assets")
     if settings.admin_token is not None:
         app.include_router(make_admin_router(settings.admin_token.get_secret_value()))
 

@@ -153,6 +153,13 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+    status_window_s: int = Field(
+        300,
+        ge=10,
+        le=3600,
+        description="How many seconds of history the status page (GET /status) keeps and "
+        "draws, one sample a second.",
+    )
     access_log: bool = Field(
         False,
         description="Write one JSON line per request to stdout: request id, endpoint, status, "
