@@ -67,7 +67,7 @@ class Settings(BaseSettings):
         ge=1,
         description="Longest / shortest input in one batch (plus 16 tokens of slack); a short "
         "input padded to a long one's length wastes compute. A large value lifts the bound. "
-        "Applies while plan_by_time is off or has no fitted model yet.",
+        "Applies while --plan-by-time is off or has no fitted model yet.",
     )
     plan_by_time: bool = Field(
         True,
@@ -102,7 +102,7 @@ class Settings(BaseSettings):
     sizer: Literal["adaptive", "fixed"] = Field(
         "adaptive",
         description="adaptive sizes each batch from live memory readings; fixed uses only "
-        "max_batch_size and max_batch_tokens.",
+        "--max-batch-size and --max-batch-tokens.",
     )
     memory_headroom: float = Field(
         0.15,
@@ -143,7 +143,7 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None,
         description="Require 'Authorization: Bearer <key>' on the API (health and metrics "
-        "stay open). Prefer api_key_file: flags show up in the process list.",
+        "stay open). Prefer --api-key-file: flags show up in the process list.",
     )
     api_key_file: Path | None = Field(
         None,
