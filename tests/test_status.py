@@ -21,6 +21,8 @@ from tests.test_app import assert_error, running
         ([float(i) for i in range(1, 101)], 0.99, 99.0),
         ([float(i) for i in range(1, 101)], 0.5, 50.0),
         ([float(i) for i in range(1, 11)], 0.99, 10.0),
+        ([float(i) for i in range(1, 11)], 0.91, 10.0),
+        ([1.0, 2.0, 3.0, 4.0, 5.0], 0.5, 3.0),
     ],
 )
 def test_percentile_is_nearest_rank(values, q, expected):
