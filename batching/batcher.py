@@ -87,6 +87,7 @@ class Batcher:
         self.time_model = BatchTimeModel() if config.plan_by_time else None
         self.healthy = True
         self._in_flight: Sequence[Pending] = ()
+        self.num_batches = 0
         metrics.queue_capacity.set(queue.max_items)
         queue.on_drop = self._count_dropped
 
@@ -241,6 +242,11 @@ class Batcher:
         self.metrics.batch_tokens.observe(len(live) * padded_len)
         predicted = self._record_prediction(len(live), padded_len)
         started = self.clock.now()
+        self.num_batches += 1
+        for pending in live:
+            if pending.started_s is None:
+                pending.started_s = started
+            pending.batch = (self.num_batches, len(live))
         try:
             outputs, peak = await self._model_thread.call(
                 self._measured_forward, [p.item for p in live]

@@ -51,19 +51,21 @@ class BatchingMetrics:
         )
         self.queue_wait = Histogram(
             "batchfit_queue_wait_seconds",
-            "Time an item waited from admission to the start of its batch.",
+            "Time an item waited from admission to the start of its batch; buckets up to "
+            "--max-timeout-s.",
             buckets=latency_buckets(max_latency_s),
             registry=registry,
         )
         self.batch_size = Histogram(
             "batchfit_batch_size",
-            "Items per forward pass.",
+            "Items per forward pass; powers of two up to --max-batch-size.",
             buckets=powers_of_two(max_batch_size),
             registry=registry,
         )
         self.batch_tokens = Histogram(
             "batchfit_batch_tokens",
-            "Padded tokens (items x longest) per forward pass.",
+            "Padded tokens (items x longest) per forward pass; powers of two up to "
+            "--max-batch-tokens.",
             buckets=powers_of_two(max_batch_tokens),
             registry=registry,
         )
@@ -96,7 +98,8 @@ class BatchingMetrics:
         )
         self.cancelled = Counter(
             "batchfit_cancelled_items",
-            "Items whose request went away, by the stage they were in.",
+            "Items whose request went away, by stage: queued (dropped before compute: client gone "
+            "or deadline passed) or running (result discarded).",
             ["stage"],
             registry=registry,
         )
@@ -158,15 +161,17 @@ class MemoryMetrics:
             self.oom_events.labels(outcome)
         self.device_used = Gauge(
             "batchfit_device_memory_used_bytes",
-            "Device memory in use by all processes (NVML).",
+            "Device memory in use by all processes (NVML; 0 on CPU).",
             registry=registry,
         )
         self.device_total = Gauge(
-            "batchfit_device_memory_total_bytes", "Device memory in all (NVML).", registry=registry
+            "batchfit_device_memory_total_bytes",
+            "Device memory in all (NVML; 0 on CPU).",
+            registry=registry,
         )
         self.torch_allocated = Gauge(
             "batchfit_torch_allocated_bytes",
-            "Memory held by tensors (torch.cuda.memory_allocated).",
+            "Memory held by tensors (torch.cuda.memory_allocated; 0 on CPU).",
             registry=registry,
         )
         self.torch_reserved = Gauge(

@@ -32,6 +32,10 @@ class Pending:
     request_id: str = ""
     index: int = 0
     seq: int = field(default=0, init=False)
+    started_s: float | None = field(default=None, init=False)
+    """When its first forward pass started (set by the batcher; the queue wait ends here)."""
+    batch: tuple[int, int] | None = field(default=None, init=False)
+    """(number, items) of the last forward pass it ran in; an OOM split runs it again."""
 
     @property
     def cost(self) -> int:

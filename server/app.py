@@ -8,12 +8,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry, disable_created_metrics
 from starlette.responses import Response
 
 from batching import Clock, MemoryProbe, Sizer
 from models import Model
 
+from .access_log import AccessLog
 from .admin import make_admin_router
 from .auth import ApiKeyMiddleware
 from .errors import install_error_handlers
@@ -23,8 +25,12 @@ from .protocols import kserve_v2, openai
 from .routes import metrics_response, router
 from .runtime import Runtime
 from .settings import Settings
+from .status import ASSETS_URL as STATUS_ASSETS_URL
+from .status import StatusHistory, make_status_router, status_assets
 
 log = logging.getLogger("batchfit")
+
+DOCS_ASSETS_URL = "/docs/assets"
 
 
 def create_app(
@@ -60,33 +66,50 @@ def create_app(
                     serve_metrics(registry, host=settings.host, port=settings.metrics_port)
                 )
             starting = asyncio.create_task(runtime.start(), name="batchfit-start")
+            sampling = asyncio.create_task(history.run(), name="batchfit-status")
             try:
                 yield
             finally:
-                starting.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await starting
+                for task in (starting, sampling):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
                 await runtime.stop()
 
-    app = FastAPI(
+    # /docs and /redoc from assets shipped in a package: no CDN, so they work offline.
+    app = FastAPIOffline(
         title="Batchfit",
         summary="Adaptive-batching inference server",
         version="0.1.0",
         lifespan=lifespan,
+        static_url=DOCS_ASSETS_URL,
+        # Swagger UI's validator badge is an image from an outside host.
+        swagger_ui_parameters={"validatorUrl": None},
     )
     app.state.runtime = runtime
     app.state.registry = registry
     api_keys = settings.api_keys()
     if api_keys:
         # Added first, so it runs inside the request-id and metrics middleware.
-        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
-    app.add_middleware(
-        RequestContextMiddleware, max_body_bytes=settings.max_body_bytes, metrics=runtime.metrics
+        # The admin endpoints check their own token in the same header; the API key is not
+        # asked for there (it could not be sent alongside).
+        exempt = ("/admin/",) if settings.admin_token is not None else ()
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys, exempt_prefixes=exempt)
+    history = StatusHistory(
+        registry, queue_depth=lambda: len(runtime.queue), window_s=settings.status_window_s
     )
+    app.state.status_history = history
+    observers = [history.observe, *([AccessLog()] if settings.access_log else [])]
+    app.add_middleware(
+        RequestContextMiddleware, max_body_bytes=settings.max_body_bytes,
+        metrics=runtime.metrics, observers=observers,
+    )  # fmt: skip
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(openai.router)
     app.include_router(kserve_v2.router)
+    app.include_router(make_status_router(history))
+    app.mount(STATUS_ASSETS_URL, status_assets(), name="status-assets")
     if settings.admin_token is not None:
         app.include_router(make_admin_router(settings.admin_token.get_secret_value()))
 

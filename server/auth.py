@@ -1,7 +1,13 @@
-"""Optional API-key auth: ``Authorization: Bearer <key>``, compared in constant time."""
+"""Optional API-key auth: ``Authorization: Bearer <key>``, compared in constant time.
+
+Browser pages (the status page, the API docs) cannot send a bearer header, so there the key is
+also accepted as the password of HTTP Basic auth (any user name), and a 401 asks the browser
+for it."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 from collections.abc import Sequence
 
@@ -13,10 +19,20 @@ from .errors import ApiError, error_response
 # Probes and scrapers carry no key; everything else (the API, its schema and docs) needs one.
 OPEN_PATHS = frozenset({"/metrics"})
 OPEN_PREFIXES = ("/health/", "/v2/health/")
+# Pages a person opens in a browser: a 401 there asks for the key as a Basic password.
+BROWSER_PREFIXES = ("/status", "/docs", "/redoc", "/openapi.json")
 
 
 def is_open(path: str) -> bool:
     return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+def _matches_any(token: bytes, keys: Sequence[bytes]) -> bool:
+    matched = False
+    for key in keys:
+        # NOTE: no early exit, so the time taken does not tell which key was close.
+        matched |= hmac.compare_digest(token, key)
+    return matched
 
 
 def key_matches(header: bytes | None, keys: Sequence[bytes]) -> bool:
@@ -26,31 +42,50 @@ def key_matches(header: bytes | None, keys: Sequence[bytes]) -> bool:
     scheme, _, token = header.partition(b" ")
     if scheme.lower() != b"bearer":
         return False
-    token = token.strip()
-    matched = False
-    for key in keys:
-        # NOTE: no early exit, so the time taken does not tell which key was close.
-        matched |= hmac.compare_digest(token, key)
-    return matched
+    return _matches_any(token.strip(), keys)
+
+
+def basic_key_matches(header: bytes | None, keys: Sequence[bytes]) -> bool:
+    """Whether ``header`` is ``Basic base64(<any user>:<one of keys>)``."""
+    if header is None:
+        return False
+    scheme, _, encoded = header.partition(b" ")
+    if scheme.lower() != b"basic":
+        return False
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    _, colon, password = decoded.partition(b":")
+    return bool(colon) and _matches_any(password, keys)
 
 
 class ApiKeyMiddleware:
-    """401 with ``WWW-Authenticate: Bearer`` unless the request carries an accepted key."""
+    """401 unless the request carries an accepted key. Paths under ``exempt_prefixes`` guard
+    themselves with a token of their own (the admin endpoints), so they are passed through."""
 
-    def __init__(self, app: ASGIApp, *, keys: Sequence[str]) -> None:
+    def __init__(
+        self, app: ASGIApp, *, keys: Sequence[str], exempt_prefixes: tuple[str, ...] = ()
+    ) -> None:
         if not keys:
             raise ValueError("ApiKeyMiddleware needs at least one key")
         self.app = app
         self.keys = tuple(key.encode() for key in keys)
+        self.exempt_prefixes = exempt_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or is_open(scope["path"]):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or is_open(path) or path.startswith(self.exempt_prefixes):
             await self.app(scope, receive, send)
             return
         header = dict(scope["headers"]).get(b"authorization")
-        if key_matches(header, self.keys):
+        browser = path.startswith(BROWSER_PREFIXES)
+        if key_matches(header, self.keys) or (browser and basic_key_matches(header, self.keys)):
             await self.app(scope, receive, send)
             return
         message = "missing API key" if header is None else "invalid API key"
         error = ApiError(401, "unauthorized", message)
-        await error_response(Request(scope), error)(scope, receive, send)
+        response = error_response(Request(scope), error)
+        if browser:
+            response.headers["WWW-Authenticate"] = 'Basic realm="batchfit", charset="UTF-8"'
+        await response(scope, receive, send)

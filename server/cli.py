@@ -18,7 +18,7 @@ from bench.cli import add_bench_flags, bench
 
 from .app import create_app
 from .runtime.drain import DrainingServer
-from .runtime.plan import memory_plan
+from .runtime.plan import PLAN_FIELDS, memory_plan
 from .settings import LauncherSettings, Settings
 from .supervise.launcher import REPLICA_ADDRESS_FIELDS, up
 from .supervise.nginx import UVICORN_KEEP_ALIVE_S
@@ -29,10 +29,12 @@ def add_settings_flags(
     settings_class: type[BaseSettings] = Settings,
     *,
     skip: frozenset[str] = frozenset(),
+    only: frozenset[str] | None = None,
 ) -> None:
-    """One flag per Settings field; unset flags fall back to BATCHFIT_* and then defaults."""
+    """One flag per Settings field (those in ``only``, if given, less ``skip``); unset flags
+    fall back to BATCHFIT_* and then defaults."""
     for name, field in settings_class.model_fields.items():
-        if name in skip:
+        if name in skip or (only is not None and name not in only):
             continue
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
@@ -77,6 +79,19 @@ def configure_logging(level: str) -> None:
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = "64"
 
 
+class ListeningMessage(logging.Filter):
+    """Rewrites uvicorn's "Uvicorn running on ..." line: it comes while the model is still
+    loading, and reads as if the server were ready."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Uvicorn running on"):
+            record.msg = (
+                "listening on %s://%s:%d; loading the model (/health/ready is 503 until ready)"
+            )
+            record.__dict__.pop("color_message", None)
+        return True
+
+
 def serve(settings: Settings) -> int:
     configure_logging(settings.log_level)
     # Read by oneDNN at its first use: before the model loads. An operator's value wins.
@@ -86,6 +101,8 @@ def serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # uvicorn's loggers go through ours (one format) instead of its own config.
+        log_config=None,
         access_log=False,
         # Nginx keeps upstream connections alive for less than this, so it never reuses a
         # connection uvicorn is closing.
@@ -94,6 +111,7 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=10,
         lifespan="on",
     )
+    logging.getLogger("uvicorn.error").addFilter(ListeningMessage())
     app = create_app(settings, on_fatal=lambda: setattr(server, "should_exit", True))
     runtime = app.state.runtime
     server = DrainingServer(
@@ -114,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser = commands.add_parser(
         "plan", help="Load the model, calibrate memory as serve does, print the memory plan."
     )
-    add_settings_flags(plan_parser)
+    add_settings_flags(plan_parser, only=PLAN_FIELDS)
     add_settings_flags(serve_parser)
     up_parser = commands.add_parser(
         "up",

@@ -64,6 +64,10 @@ def to_api_error(exc: BaseException) -> ApiError:
             return ApiError(503, "draining", str(exc), retry_after_s=1)
         case InferenceFailed():
             return ApiError(500, "internal_error", str(exc))
+        case StarletteHTTPException() if isinstance(exc.__cause__, UnicodeDecodeError):
+            # FastAPI's own message for this ("There was an error parsing the body") says
+            # nothing about the cause.
+            return ApiError(400, "invalid_json", "body is not valid UTF-8")
         case StarletteHTTPException():
             error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "http_error")
             return ApiError(exc.status_code, error_type, str(exc.detail))
@@ -91,12 +95,26 @@ def error_response(request: Request, error: ApiError) -> Response:
     )
 
 
+# Fields whose type is a union: pydantic reports one error per member of the union, which
+# reads as noise; one sentence says what is accepted.
+UNION_FIELD_MESSAGES = {"inputs": "inputs must be a string or a list of strings"}
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[int, str, str]:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, "invalid_json", "request body is not valid JSON"
-    parts = []
-    for error in errors[:5]:
+    parts: list[str] = []
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        field = loc[1] if len(loc) > 1 and loc[0] == "body" else None
+        message = UNION_FIELD_MESSAGES.get(field) if error.get("type") != "missing" else None
+        if message is not None:
+            if message not in parts:
+                parts.append(message)
+            continue
+        if len(parts) == 5:
+            break
         location = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
         parts.append(f"{location}: {error.get('msg', 'invalid')}")
     return 422, "invalid_request", "; ".join(parts)

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from .errors import ApiError
-from .runtime import Runtime
+from .runtime import RequestTrace, Runtime
 
 
 class ClientDisconnected(Exception):
@@ -57,10 +57,12 @@ async def infer_for_request(
     runtime = runtime_of(request)
     config = runtime.config
     timeout_s = min(timeout_s or config.default_timeout_s, config.max_timeout_s)
+    # Read by the access log once the request has been answered.
+    request.state.trace = trace = RequestTrace()
     work = asyncio.ensure_future(
         runtime.infer(
             inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
-            priority=priority,
+            priority=priority, trace=trace,
         )
     )  # fmt: skip
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))

@@ -17,13 +17,14 @@ class ServerMetrics:
     ) -> None:
         self.requests = Counter(
             "batchfit_requests",
-            "Finished HTTP requests by endpoint, status code and error type.",
+            "Finished HTTP requests by endpoint (/v1/infer, /v1/embeddings, /v1/models, the v2 "
+            "infer path, or other), status code and error type.",
             ["endpoint", "code", "error_type"],
             registry=registry,
         )
         self.request_duration = Histogram(
             "batchfit_request_duration_seconds",
-            "End-to-end request latency inside the replica.",
+            "End-to-end request latency inside the replica; buckets up to --max-timeout-s.",
             ["endpoint"],
             buckets=latency_buckets(max_latency_s),
             registry=registry,
@@ -37,7 +38,9 @@ class ServerMetrics:
         )
         self.rejections = Counter(
             "batchfit_rejections",
-            "Requests refused before or instead of compute, by reason.",
+            "Requests refused before or instead of compute, by reason: "
+            + ", ".join(REJECTION_REASONS)
+            + ".",
             ["reason"],
             registry=registry,
         )
@@ -47,4 +50,8 @@ class ServerMetrics:
         self.draining = Gauge(
             "batchfit_draining", "1 while the replica drains before exit.", registry=registry
         )
-        self.model = Info("batchfit_model", "The model this replica serves.", registry=registry)
+        self.model = Info(
+            "batchfit_model",
+            "The model this replica serves: name, task, device and dtype.",
+            registry=registry,
+        )

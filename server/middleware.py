@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -33,6 +35,25 @@ REJECTION_REASON = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request, as the access log and the status page see it."""
+
+    request_id: str
+    method: str
+    path: str
+    endpoint: str
+    """``path`` for the counted endpoints, the v2 infer template, else ``other``."""
+    status: int
+    error_type: str
+    duration_s: float
+    trace: Any
+    """The ``RequestTrace`` of a request that reached the runtime, else None."""
+
+
+RequestObserver = Callable[[RequestRecord], None]
+
+
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"request body is larger than the limit of {limit} bytes")
@@ -41,10 +62,14 @@ class BodyTooLarge(HTTPException):
 class RequestContextMiddleware:
     """Assigns the request id, enforces ``max_body_bytes`` while streaming, counts requests."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, app: ASGIApp, *, max_body_bytes: int, metrics: ServerMetrics,
+        observers: Sequence[RequestObserver] = (),
+    ) -> None:  # fmt: skip
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.observers = tuple(observers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,7 +89,7 @@ class RequestContextMiddleware:
             state["error_type"] = "payload_too_large"
             status = 413
             await _send_json(send, 413, request_id, BodyTooLarge(self.max_body_bytes).detail)
-            self._record(endpoint, status, state, started)
+            self._record(scope, endpoint, status, state, started)
             return
 
         received = 0
@@ -93,14 +118,25 @@ class RequestContextMiddleware:
             await self.app(scope, limited_receive, send_with_id)
         finally:
             self.metrics.in_flight.dec()
-            self._record(endpoint, status, state, started)
+            self._record(scope, endpoint, status, state, started)
 
-    def _record(self, endpoint: str, status: int, state: dict[str, Any], started: float) -> None:
+    def _record(
+        self, scope: Scope, endpoint: str, status: int, state: dict[str, Any], started: float
+    ) -> None:
+        duration_s = time.perf_counter() - started
         error_type = state.get("error_type", "") if status >= 400 else ""
         self.metrics.requests.labels(endpoint, str(status), error_type).inc()
+        if self.observers:
+            record = RequestRecord(
+                request_id=state["request_id"], method=scope.get("method", ""),
+                path=scope["path"], endpoint=endpoint, status=status, error_type=error_type,
+                duration_s=duration_s, trace=state.get("trace"),
+            )  # fmt: skip
+            for observe in self.observers:
+                observe(record)
         if endpoint == "other":
             return
-        self.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - started)
+        self.metrics.request_duration.labels(endpoint).observe(duration_s)
         reason = REJECTION_REASON.get(error_type)
         if reason is not None:
             self.metrics.rejections.labels(reason).inc()

@@ -68,7 +68,7 @@ class Settings(BaseSettings):
         ge=1,
         description="Longest / shortest input in one batch (plus 16 tokens of slack); a short "
         "input padded to a long one's length wastes compute. A large value lifts the bound. "
-        "Applies while plan_by_time is off or has no fitted model yet.",
+        "Applies while --plan-by-time is off or has no fitted model yet.",
     )
     plan_by_time: bool = Field(
         True,
@@ -103,7 +103,7 @@ class Settings(BaseSettings):
     sizer: Literal["adaptive", "fixed"] = Field(
         "adaptive",
         description="adaptive sizes each batch from live memory readings; fixed uses only "
-        "max_batch_size and max_batch_tokens.",
+        "--max-batch-size and --max-batch-tokens.",
     )
     memory_headroom: float = Field(
         0.15,
@@ -144,7 +144,7 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None,
         description="Require 'Authorization: Bearer <key>' on the API (health and metrics "
-        "stay open). Prefer api_key_file: flags show up in the process list.",
+        "stay open). Prefer --api-key-file: flags show up in the process list.",
     )
     api_key_file: Path | None = Field(
         None,
@@ -153,6 +153,19 @@ class Settings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
+    )
+    status_window_s: int = Field(
+        300,
+        ge=10,
+        le=3600,
+        description="How many seconds of history the status page (GET /status) keeps and "
+        "draws, one sample a second.",
+    )
+    access_log: bool = Field(
+        False,
+        description="Write one JSON line per request to stdout: request id, endpoint, status, "
+        "inputs, tokens, queue wait, batch sizes and duration (never the text). Health checks, "
+        "metrics scrapes and the status page's polling are left out.",
     )
 
     def api_keys(self) -> tuple[str, ...]:

@@ -14,10 +14,10 @@ TIMEOUT = 10
 
 
 @contextlib.asynccontextmanager
-async def running(model, registry, wait_ready=True, **settings):
+async def running(model, registry, wait_ready=True, probe=None, **settings):
     # A scripted model has no real memory to size batches by: a fixed budget, unless asked.
     settings = {"sizer": "fixed", **settings}
-    app = create_app(Settings(**settings), model=model, registry=registry)
+    app = create_app(Settings(**settings), model=model, registry=registry, probe=probe)
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
@@ -185,3 +185,27 @@ async def test_metrics_and_models(registry):
     assert "batchfit_batch_size_bucket" in scrape
     assert "batchfit_queue_depth 0.0" in scrape
     assert models["models"][0]["name"] == "scripted"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "message"),
+    [
+        ({"content": b'{"inputs": "\xff\xfe"}'}, 400, "body is not valid UTF-8"),
+        ({"json": {"inputs": [1, 2]}}, 422, "inputs must be a string or a list of strings"),
+        ({"json": {"inputs": 5}}, 422, "inputs must be a string or a list of strings"),
+        ({"json": {"inputs": [["a"]]}}, 422, "inputs must be a string or a list of strings"),
+        (
+            {"json": {"inputs": 5, "truncate": "yes"}},
+            422,
+            "inputs must be a string or a list of strings; truncate: Input should be a valid "
+            "boolean",
+        ),
+        ({"json": {}}, 422, "inputs: Field required"),
+    ],
+)
+async def test_error_messages_say_what_is_wrong(registry, kwargs, status, message):
+    headers = {"content-type": "application/json"}
+    async with running(ScriptedModel(), registry) as client:
+        response = await client.post("/v1/infer", headers=headers, **kwargs)
+    body = assert_error(response, status, "invalid_json" if status == 400 else "invalid_request")
+    assert body["error"] == message

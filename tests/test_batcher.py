@@ -61,6 +61,10 @@ async def test_oom_splits_in_halves_until_it_fits(harness_factory):
     assert model.batch_sizes == [32, 16, 8, 8, 16, 8, 8]
     assert [p.future.result() for p in pendings] == [f"out:{t}" for t in texts]
     assert model.seen == texts  # each input ran exactly once, in order
+    # Each input knows the pass that answered it and when its first pass started.
+    assert [p.batch for p in pendings[:9]] == [(3, 8)] * 8 + [(4, 8)]
+    assert pendings[-1].batch == (7, 8)
+    assert {p.started_s for p in pendings} == {h.clock.now()}
 
 
 async def test_single_item_that_never_fits_gets_out_of_memory_alone(harness_factory):

@@ -1,6 +1,7 @@
 """Auth, priorities, bad input and the batcher-crash policy, over a scripted model in process."""
 
 import asyncio
+import base64
 import logging
 import threading
 
@@ -9,7 +10,7 @@ import pytest
 
 from batching import FixedSizer
 from server import Settings, create_app
-from server.auth import key_matches
+from server.auth import basic_key_matches, key_matches
 from tests.fakes import ScriptedModel
 from tests.test_app import TIMEOUT, assert_error, running
 
@@ -33,6 +34,27 @@ from tests.test_app import TIMEOUT, assert_error, running
 )
 def test_key_matches(header, ok):
     assert key_matches(header, [b"right", b"other"]) is ok
+
+
+def _basic(user: bytes, password: bytes) -> bytes:
+    return b"Basic " + base64.b64encode(user + b":" + password)
+
+
+@pytest.mark.parametrize(
+    ("header", "ok"),
+    [
+        (None, False),
+        (_basic(b"me", b"right"), True),
+        (_basic(b"", b"other"), True),
+        (_basic(b"right", b""), False),
+        (_basic(b"me", b"righ"), False),
+        (b"Basic !!!notbase64", False),
+        (b"Basic " + base64.b64encode(b"right"), False),
+        (b"Bearer right", False),
+    ],
+)
+def test_basic_key_matches(header, ok):
+    assert basic_key_matches(header, [b"right", b"other"]) is ok
 
 
 async def test_api_key_guards_the_api_but_not_health_or_metrics(registry):

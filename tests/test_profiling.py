@@ -158,3 +158,24 @@ def test_admin_token_is_a_flag_and_kept_secret():
 def test_app_builds_without_admin_router_by_default():
     app = create_app(Settings())
     assert not any(getattr(r, "path", "").startswith("/admin") for r in app.routes)
+
+
+async def test_admin_token_works_alongside_an_api_key(registry, tmp_path):
+    """The admin endpoints take the admin token; the API keeps taking the API key."""
+    async with running(
+        ScriptedModel(), registry, api_key="K123", admin_token="T456", profile_dir=str(tmp_path)
+    ) as client:
+        admin = await client.post("/admin/profile", headers={"Authorization": "Bearer T456"})
+        assert admin.status_code == 202, admin.text
+        api_key = await client.get("/admin/profile", headers={"Authorization": "Bearer K123"})
+        body = assert_error(api_key, 401, "unauthorized")
+        assert body["error"] == "admin endpoints need the admin bearer token"
+        assert_error(await client.get("/admin/profile"), 401, "unauthorized")
+        infer = await client.post(
+            "/v1/infer", json={"inputs": "a"}, headers={"Authorization": "Bearer K123"}
+        )
+        assert infer.status_code == 200
+        admin_on_api = await client.post(
+            "/v1/infer", json={"inputs": "a"}, headers={"Authorization": "Bearer T456"}
+        )
+        assert_error(admin_on_api, 401, "unauthorized")

@@ -69,3 +69,34 @@ def test_default_timeout_cannot_exceed_the_cap():
 def test_unknown_setting_is_refused():
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         Settings(max_batchsize=3)
+
+
+def test_plan_help_lists_only_the_flags_that_change_the_plan(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--model", "--device", "--dtype", "--memory-limit", "--memory-headroom"):
+        assert flag in help_text
+    for flag in ("--port", "--api-key", "--drain-timeout-s", "--max-queue-items", "--host"):
+        assert flag not in help_text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--port", "9000"])
+
+
+# A value other than the default for each plan flag; each must reach what the plan builds.
+PLAN_VALUES = {
+    "model": "/some/folder", "task": "embed", "device": "cpu", "dtype": "bfloat16",
+    "quantize": "int8", "num_threads": 3, "max_input_tokens": 64, "max_batch_size": 7,
+    "max_batch_tokens": 999, "memory_headroom": 0.3, "memory_limit": "1GiB",
+}  # fmt: skip
+
+
+def test_every_plan_flag_changes_what_the_plan_is_built_from():
+    from server.runtime.plan import PLAN_FIELDS
+
+    assert set(PLAN_VALUES) == PLAN_FIELDS
+    base = Settings()
+    for name, value in PLAN_VALUES.items():
+        changed = Settings(**{name: value})
+        built = (changed.model_spec(), changed.adaptive_config(), changed.memory_limit)
+        assert built != (base.model_spec(), base.adaptive_config(), base.memory_limit), name

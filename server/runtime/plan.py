@@ -13,6 +13,14 @@ from ..settings import Settings
 from .runtime import Runtime
 
 MiB = 2**20
+# The settings that change the plan: the model, how it is loaded, and the sizer's limits. The
+# rest (ports, auth, queue, deadlines) only matter to a serving replica.
+PLAN_FIELDS = frozenset(
+    {
+        "model", "task", "device", "dtype", "quantize", "num_threads", "max_input_tokens",
+        "max_batch_size", "max_batch_tokens", "memory_headroom", "memory_limit",
+    }
+)  # fmt: skip
 
 
 def _mib(value: float | None) -> str:

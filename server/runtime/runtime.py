@@ -40,6 +40,8 @@ from models import BatchProfiler, DeviceError, Model, ModelInfo, ModelOutOfMemor
 from ..errors import ApiError, draining, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
+from .announce import ready_line
+from .trace import RequestTrace
 from .tracking import WorkTracker
 
 log = logging.getLogger("batchfit")
@@ -157,12 +159,13 @@ class Runtime:
             probe=self.probe,
             memory_metrics=self.memory_metrics,
         )
+        log.info("warming up: the largest batches the memory budget allows")
         await self._warm_up(self.batcher)
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
         self._started = True
         self.metrics.ready.set(1)
-        log.info("ready in %.1fs", time.perf_counter() - started)
+        log.info("%s", ready_line(self, time.perf_counter() - started))
 
     def _limit_host_memory(self, limit_bytes: int) -> None:
         assert self.probe is not None
@@ -327,8 +330,10 @@ class Runtime:
         timeout_s: float,
         request_id: str,
         priority: int = 0,
+        trace: RequestTrace | None = None,
     ) -> tuple[list[Any], int]:
-        """Queue every input as one item and wait for all of them; return outputs and tokens."""
+        """Queue every input as one item and wait for all of them; return outputs and tokens.
+        ``trace``, if given, is filled in with what the request went through."""
         if self.draining:
             raise draining()
         if not self.ready or self.model is None:
@@ -336,12 +341,12 @@ class Runtime:
         with self.work.request():
             return await self._infer(
                 inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
-                priority=priority,
+                priority=priority, trace=trace if trace is not None else RequestTrace(),
             )  # fmt: skip
 
     async def _infer(
         self, inputs: Sequence[str], *, truncate: bool, timeout_s: float, request_id: str,
-        priority: int,
+        priority: int, trace: RequestTrace,
     ) -> tuple[list[Any], int]:  # fmt: skip
         loop = asyncio.get_running_loop()
         if sum(len(text) for text in inputs) > INLINE_TOKENIZE_CHARS:
@@ -349,6 +354,7 @@ class Runtime:
             items = await loop.run_in_executor(self.tokenizer_thread, prepare)
         else:
             items = self.model.prepare(inputs, truncate=truncate)
+        trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
         now = self.clock.now()
         deadline = now + timeout_s
         pendings = [
@@ -383,7 +389,8 @@ class Runtime:
                     pending.future.cancel()
             self.queue.discard(pendings)
             self.batching_metrics.queue_depth.set(len(self.queue))
-        return outputs, sum(item.cost for item in items)
+            trace.record(pendings)
+        return outputs, trace.tokens
 
 
 def _kills(reading: MemoryReading | None) -> bool:

@@ -1,0 +1,57 @@
+"""What the replica tells its operator at start-up: one line when it is ready to serve."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from batching import AdaptiveSizer
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+MiB = 2**20
+
+
+def base_url(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def _mib(value: float) -> str:
+    return f"{value / MiB:,.0f} MiB"
+
+
+def memory_budget(runtime: Runtime) -> str:
+    """The sizer's limits for the next batch, as an operator reads them."""
+    sizer = runtime.sizer
+    assert sizer is not None
+    reading = runtime.probe.read() if runtime.probe is not None else None
+    budget = sizer.budget(reading)
+    caps = f"at most {budget.max_items} items, {budget.max_tokens} padded tokens"
+    if not isinstance(sizer, AdaptiveSizer):
+        return f"fixed batches ({caps})"
+    if budget.max_bytes is None or math.isinf(budget.max_bytes):
+        return f"memory budget unlimited ({caps})"
+    free = reading.free_bytes if reading is not None else None
+    headroom = f"{sizer.config.headroom_fraction:.0%} headroom"
+    if free is None:
+        source = "the ceiling proven at warm-up"
+    elif budget.max_bytes >= sizer.ceiling_bytes:
+        source = f"the ceiling proven at warm-up; free {_mib(free)} less {headroom} is more"
+    else:
+        source = f"free {_mib(free)} less {headroom}"
+    return f"memory budget {_mib(budget.max_bytes)} per batch ({source}; {caps})"
+
+
+def ready_line(runtime: Runtime, elapsed_s: float) -> str:
+    """``ready in 4.7s: http://127.0.0.1:8000 serves <model> (embed) on cpu, float32; ...``"""
+    assert runtime.model is not None
+    info = runtime.model.info
+    settings = runtime.settings
+    url = base_url(settings.host, settings.port)
+    where = " (all interfaces)" if settings.host in ("0.0.0.0", "::") else ""
+    return (
+        f"ready in {elapsed_s:.1f}s: {url}{where} serves {info.name} ({info.task}) on "
+        f"{info.device}, {info.dtype}; {memory_budget(runtime)}; status page {url}/status"
+    )

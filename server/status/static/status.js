@@ -1,0 +1,131 @@
+// Polls /status.json every second and draws the replica's recent history with uPlot.
+"use strict";
+(function () {
+  const MiB = 1024 * 1024;
+  const COLORS = { blue: "#1f77b4", orange: "#ff7f0e", green: "#2ca02c", red: "#d62728", purple: "#9467bd" };
+  const state = { samples: [], windowS: 300, lastT: null, charts: {} };
+
+  function format(value, unit) {
+    if (value === null || value === undefined) return "–";
+    switch (unit) {
+      case "rate": return value.toFixed(1);
+      case "ms": return value.toFixed(1) + " ms";
+      case "mean": return value.toFixed(1);
+      case "bytes":
+        return (value / MiB).toLocaleString("en-US", { minimumFractionDigits: 1, maximumFractionDigits: 1 }) + " MiB";
+      default: return String(Math.round(value));
+    }
+  }
+
+  function column(field, scale) {
+    return state.samples.map((s) => (s[field] === null ? null : s[field] * (scale || 1)));
+  }
+
+  function makeChart(id, title, series, axes) {
+    const el = document.getElementById(id);
+    const opts = {
+      title: title,
+      width: Math.max(320, el.clientWidth - 8),
+      height: 220,
+      scales: { x: { time: true } },
+      series: [{}].concat(series.map((s) => ({
+        label: s.label, stroke: s.color, width: 2, scale: s.scale, spanGaps: false,
+        points: { show: false },
+      }))),
+      axes: [{}].concat(axes),
+      legend: { live: false },
+    };
+    const chart = new uPlot(opts, [[]].concat(series.map(() => [])), el);
+    chart.batchfitSeries = series;
+    return chart;
+  }
+
+  function createCharts() {
+    state.charts.requests = makeChart("chart-requests", "Requests", [
+      { field: "requests_per_s", label: "requests/s", color: COLORS.blue, scale: "rate" },
+      { field: "latency_p50_ms", label: "p50 ms", color: COLORS.green, scale: "ms" },
+      { field: "latency_p99_ms", label: "p99 ms", color: COLORS.red, scale: "ms" },
+    ], [{ scale: "rate", label: "requests/s" }, { scale: "ms", side: 1, label: "ms", grid: { show: false } }]);
+    state.charts.queue = makeChart("chart-queue", "Queue depth", [
+      { field: "queue_depth", label: "items waiting", color: COLORS.purple, scale: "items" },
+    ], [{ scale: "items", label: "items" }]);
+    state.charts.batches = makeChart("chart-batches", "Batches", [
+      { field: "batch_size", label: "mean batch size", color: COLORS.blue, scale: "items" },
+      { field: "padded_tokens", label: "padded tokens / batch", color: COLORS.orange, scale: "tokens" },
+    ], [{ scale: "items", label: "items" }, { scale: "tokens", side: 1, label: "tokens", grid: { show: false } }]);
+    state.charts.memory = makeChart("chart-memory", "Memory (MiB)", [
+      { field: "budget_bytes", label: "batch budget", color: COLORS.blue, scale: "mib", factor: 1 / MiB },
+      { field: "predicted_peak_bytes", label: "predicted peak", color: COLORS.orange, scale: "mib", factor: 1 / MiB },
+      { field: "measured_peak_bytes", label: "measured peak", color: COLORS.red, scale: "mib", factor: 1 / MiB },
+      { field: "memory_free_bytes", label: "free", color: COLORS.green, scale: "free", factor: 1 / MiB },
+    ], [{ scale: "mib", label: "batch MiB" }, { scale: "free", side: 1, label: "free MiB", grid: { show: false } }]);
+  }
+
+  function redraw() {
+    const xs = state.samples.map((s) => s.t);
+    for (const chart of Object.values(state.charts)) {
+      chart.setData([xs].concat(chart.batchfitSeries.map((s) => column(s.field, s.factor))));
+    }
+  }
+
+  function showSummary(body) {
+    const last = state.samples[state.samples.length - 1];
+    const summary = document.getElementById("summary");
+    if (last) {
+      for (const el of summary.querySelectorAll(".value")) {
+        const value = last[el.id];
+        el.dataset.value = value === null || value === undefined ? "" : String(value);
+        el.textContent = format(value, el.dataset.unit);
+      }
+      summary.dataset.t = String(last.t);
+      document.getElementById("updated").textContent =
+        "updated " + new Date(last.t * 1000).toLocaleTimeString();
+    }
+    const stateEl = document.getElementById("state");
+    const text = body.draining ? "draining" : body.ready ? "ready" : "not ready";
+    stateEl.textContent = text;
+    stateEl.className = "state " + (body.ready ? "ready" : "not-ready");
+  }
+
+  function showModel(card) {
+    if (!card) return;
+    document.getElementById("model-name").textContent = card.name;
+    const rows = Object.entries(card).map(([key, value]) => {
+      const tr = document.createElement("tr");
+      const k = document.createElement("td");
+      const v = document.createElement("td");
+      k.textContent = key;
+      v.textContent = value === null ? "–" : key.endsWith("_bytes") ? format(value, "bytes") : String(value);
+      tr.append(k, v);
+      return tr;
+    });
+    document.querySelector("#model-card tbody").replaceChildren(...rows);
+  }
+
+  async function poll() {
+    const url = new URL("/status.json", location.origin);
+    if (state.lastT !== null) url.searchParams.set("since", String(state.lastT));
+    try {
+      const response = await fetch(url, { cache: "no-store", credentials: "same-origin" });
+      if (!response.ok) throw new Error("status.json answered " + response.status);
+      const body = await response.json();
+      state.windowS = body.window_s;
+      state.samples = state.samples.concat(body.samples);
+      if (state.samples.length) state.lastT = state.samples[state.samples.length - 1].t;
+      const oldest = (state.lastT || 0) - state.windowS;
+      state.samples = state.samples.filter((s) => s.t > oldest);
+      showModel(body.model);
+      showSummary(body);
+      redraw();
+    } catch (error) {
+      const stateEl = document.getElementById("state");
+      stateEl.textContent = "unreachable";
+      stateEl.className = "state not-ready";
+    }
+    setTimeout(poll, 1000);
+  }
+
+  createCharts();
+  window.batchfitStatus = state;
+  poll();
+})();

@@ -1,0 +1,195 @@
+"""The real replica as a person meets it: start-up lines, the access log, the live status page
+and the API docs in a real headless Chromium, under real traffic, behind an API key."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.browser import open_page, require_chromium
+from tests.servers import run_server
+
+pytestmark = pytest.mark.integration
+
+KEY = "K123-status"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SECRET = "a private sentence that must never reach a log"
+TEXTS = [SECRET, "short", "a somewhat longer input with more tokens in it to pad", "two words"]
+MiB = 2**20
+# Where the page's summary numbers sit, and how the page rounds them.
+UNIT_SCALE = {"rate": 1, "ms": 1, "mean": 1, "count": 1, "bytes": 1 / MiB}
+CHART_SERIES_COLOR = (0x1F, 0x77, 0xB4)  # the first series of the requests and memory charts
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    require_chromium()  # before the model loads: fail (CI) or skip at once
+    with run_server(
+        tmp_path_factory.mktemp("status"), "--api-key", KEY, "--access-log",
+        "--status-window-s", "60",
+    ) as server:  # fmt: skip
+        yield server
+
+
+class Traffic:
+    """A few clients sending inference requests until stopped (bounded in count and time)."""
+
+    def __init__(self, url: str, clients: int = 3, max_requests: int = 3000) -> None:
+        self.url, self.max_requests = url, max_requests
+        self.stop = threading.Event()
+        self.sent = 0
+        self.statuses: list[int] = []
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def _run(self, offset: int) -> None:
+        with httpx.Client(timeout=30, headers=AUTH) as client:
+            i = offset
+            while not self.stop.is_set() and self.sent < self.max_requests:
+                self.sent += 1
+                inputs = TEXTS[: 1 + i % len(TEXTS)]
+                self.statuses.append(
+                    client.post(f"{self.url}/v1/infer", json={"inputs": inputs}).status_code
+                )
+                i += 1
+
+    def __enter__(self) -> Traffic:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+
+
+def test_start_up_says_what_it_is_doing_then_one_ready_line(server):
+    log = server.log()
+    listening = log.index(f"listening on http://127.0.0.1:{server.port}; loading the model")
+    ready = re.search(r"ready in [\d.]+s: (.*)", log)
+    assert ready is not None, log
+    assert listening < log.index("warming up") < ready.start()
+    assert "Uvicorn running" not in log
+    line = ready.group(1)
+    assert line.startswith(
+        f"http://127.0.0.1:{server.port} serves all-MiniLM-L6-v2 (embed) on cpu, float32; "
+        "memory budget "
+    ), line
+    assert re.search(r"memory budget [\d,]+ MiB per batch \(.*at most 32 items", line), line
+
+
+def _same_origin(url: str, port: int) -> bool:
+    parts = urlsplit(url)
+    return (parts.scheme, parts.hostname, parts.port) == ("http", "127.0.0.1", port)
+
+
+def _chart_pixels(page, name: str) -> int:
+    """Canvas pixels of the chart's first series colour: the line is really drawn."""
+    r, g, b = CHART_SERIES_COLOR
+    return page.evaluate(
+        f"""(() => {{
+          const c = window.batchfitStatus.charts[{json.dumps(name)}].ctx.canvas;
+          const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+          let n = 0;
+          for (let i = 0; i < d.length; i += 4)
+            if (Math.abs(d[i]-{r}) < 24 && Math.abs(d[i+1]-{g}) < 24 && Math.abs(d[i+2]-{b}) < 24
+                && d[i+3] > 200) n++;
+          return n;
+        }})()"""
+    )
+
+
+def test_status_page_draws_live_data_that_matches_status_json(server, tmp_path):
+    # BATCHFIT_STATUS_SCREENSHOT=docs/status-page.png keeps the screenshot, after longer traffic.
+    keep = os.environ.get("BATCHFIT_STATUS_SCREENSHOT")
+    min_samples = 40 if keep else 3
+    with Traffic(server.url) as traffic, open_page(tmp_path) as page:
+        # The page asks for the key (HTTP Basic); a person types it at the browser's prompt.
+        page.answer_auth_prompts("me", KEY)
+        page.navigate(f"{server.url}/status")
+        page.wait_for(
+            "window.batchfitStatus && window.batchfitStatus.samples.filter("
+            "s => s.requests_per_s > 0 && s.batch_size !== null && s.latency_p99_ms !== null"
+            f").length >= {min_samples} && document.getElementById('summary').dataset.t !== ''",
+            timeout_s=20 + min_samples,
+        )
+        dom = page.evaluate(
+            """(() => {
+              const s = document.getElementById('summary');
+              return {t: s.dataset.t, model: document.getElementById('model-name').textContent,
+                      state: document.getElementById('state').textContent,
+                      values: [...s.querySelectorAll('.value')].map(e => ({id: e.id,
+                        value: e.dataset.value, text: e.textContent, unit: e.dataset.unit}))};
+            })()"""
+        )
+        pixels = {name: _chart_pixels(page, name) for name in ("requests", "memory")}
+        drawn = page.evaluate(
+            "Object.fromEntries(Object.entries(window.batchfitStatus.charts).map("
+            "([k, c]) => [k, c.data[0].length]))"
+        )
+        status = httpx.get(f"{server.url}/status.json", headers=AUTH, timeout=10).json()
+        screenshot = tmp_path / "status-page.png"
+        page.screenshot(screenshot)
+        errors, urls = page.errors(), page.requested_urls()
+    assert traffic.sent > 0 and set(traffic.statuses) == {200}, set(traffic.statuses)
+    assert errors == []
+    assert urls and all(_same_origin(u, server.port) for u in urls), urls
+    assert dom["model"] == "all-MiniLM-L6-v2" and dom["state"] == "ready"
+    assert all(length >= 3 for length in drawn.values()), drawn
+    assert all(count > 30 for count in pixels.values()), pixels
+    # The numbers shown are those of the sample the page names, still in the ring buffer.
+    [sample] = [s for s in status["samples"] if s["t"] == float(dom["t"])]
+    for tile in dom["values"]:
+        expected = sample[tile["id"]]
+        if expected is None:
+            assert (tile["value"], tile["text"]) == ("", "\u2013"), tile
+            continue
+        assert float(tile["value"]) == expected, tile
+        shown = float(re.sub(r"[^\d.\-]", "", tile["text"]))
+        assert abs(shown - expected * UNIT_SCALE[tile["unit"]]) <= 0.5, tile
+    assert sample["memory_free_bytes"] and sample["budget_bytes"] and sample["predicted_peak_bytes"]
+    assert screenshot.stat().st_size > 20_000
+    if keep:
+        Path(keep).write_bytes(screenshot.read_bytes())
+
+
+def test_api_docs_render_offline_in_the_browser(server, tmp_path):
+    with open_page(tmp_path) as page:
+        page.answer_auth_prompts("me", KEY)
+        page.navigate(f"{server.url}/docs")
+        title = page.wait_for(
+            "(document.querySelector('.swagger-ui .info .title') || {}).textContent"
+        )
+        operations = page.evaluate("document.querySelectorAll('.opblock').length")
+        errors, urls = page.errors(), page.requested_urls()
+    assert title.startswith("Batchfit")
+    assert operations >= 5
+    assert errors == []
+    assert urls and all(_same_origin(u, server.port) for u in urls), urls
+
+
+def test_access_log_has_one_json_line_per_request_and_no_text(server):
+    with httpx.Client(timeout=30, headers=AUTH) as client:
+        response = client.post(
+            f"{server.url}/v1/infer", json={"inputs": TEXTS}, headers={"X-Request-ID": "acc-1"}
+        )
+    assert response.status_code == 200
+    log = server.log()
+    assert SECRET not in log
+    entries = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert not any(e["endpoint"] in ("/status.json", "/health/ready") for e in entries)
+    [entry] = [e for e in entries if e["request_id"] == "acc-1"]
+    assert entry["endpoint"] == "/v1/infer" and entry["status"] == 200
+    assert (
+        entry["inputs"] == len(TEXTS)
+        and entry["tokens"] == response.json()["usage"]["input_tokens"]
+    )
+    assert sum(entry["batch_sizes"]) >= len(TEXTS) or len(entry["batch_sizes"]) >= 1
+    assert 0 <= entry["queue_wait_s"] <= entry["duration_s"]

@@ -1,0 +1,119 @@
+"""The status page's ring buffer and its JSON, over fake time and a scripted model."""
+
+import base64
+import time
+
+import pytest
+
+from batching import BatchingMetrics, MemoryMetrics
+from server.middleware import RequestRecord
+from server.status import SAMPLE_FIELDS, StatusHistory, percentile
+from tests.fakes import ScriptedModel
+from tests.test_app import assert_error, running
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([], 0.5, None),
+        ([7.0], 0.99, 7.0),
+        ([1.0, 2.0, 3.0, 4.0], 0.5, 2.0),
+        ([float(i) for i in range(1, 101)], 0.99, 99.0),
+        ([float(i) for i in range(1, 101)], 0.5, 50.0),
+        ([float(i) for i in range(1, 11)], 0.99, 10.0),
+        ([float(i) for i in range(1, 11)], 0.91, 10.0),
+        ([1.0, 2.0, 3.0, 4.0, 5.0], 0.5, 3.0),
+    ],
+)
+def test_percentile_is_nearest_rank(values, q, expected):
+    assert percentile(values, q) == expected
+
+
+def _record(endpoint="/v1/infer", status=200, duration_s=0.01):
+    return RequestRecord(
+        request_id="r", method="POST", path=endpoint, endpoint=endpoint, status=status,
+        error_type="", duration_s=duration_s, trace=None,
+    )  # fmt: skip
+
+
+def test_a_sample_sums_up_its_interval(registry):
+    batching = BatchingMetrics(registry, max_batch_size=32, max_batch_tokens=4096)
+    memory = MemoryMetrics(registry)
+    depth = [0]
+    history = StatusHistory(registry, queue_depth=lambda: depth[0], window_s=10)
+    memory.free_bytes.set(1000)
+    assert history.sample(wall_s=100.0, mono_s=50.0)["memory_free_bytes"] is None  # no batch yet
+    for ms in range(1, 101):  # 100 successes of 1..100 ms in 2 seconds
+        history.observe(_record(duration_s=ms / 1000))
+    history.observe(_record(status=429, duration_s=5.0))
+    history.observe(_record(endpoint="other", duration_s=9.0))  # not an inference request
+    for size, tokens in ((4, 64), (8, 256)):
+        batching.batch_size.observe(size)
+        batching.batch_tokens.observe(tokens)
+    memory.oom_events.labels("split").inc(3)
+    memory.oom_events.labels("failed").inc()
+    memory.free_bytes.set(1000)
+    memory.budget_bytes.set(800)
+    memory.measured_peak.set(300)
+    depth[0] = 5
+    sample = history.sample(wall_s=102.0, mono_s=52.0)
+    assert tuple(sample) == SAMPLE_FIELDS
+    assert sample == {
+        "t": 102.0, "requests_per_s": 50.5, "errors_per_s": 0.5, "latency_p50_ms": 50.0,
+        "latency_p99_ms": 99.0, "queue_depth": 5, "batches": 2, "batch_size": 6.0,
+        "padded_tokens": 160.0, "memory_free_bytes": 1000, "budget_bytes": 800,
+        "predicted_peak_bytes": 0, "measured_peak_bytes": 300, "oom_splits_total": 3,
+    }  # fmt: skip
+    quiet = history.sample(wall_s=103.0, mono_s=53.0)
+    assert quiet["requests_per_s"] == 0 and quiet["latency_p50_ms"] is None
+    assert quiet["batches"] == 0 and quiet["batch_size"] is None
+    assert quiet["oom_splits_total"] == 3
+
+
+def test_the_ring_buffer_keeps_the_window_and_answers_since(registry):
+    history = StatusHistory(registry, queue_depth=lambda: 0, window_s=10)
+    for second in range(25):
+        history.sample(wall_s=1000.0 + second, mono_s=float(second))
+    assert len(history.samples) == 10
+    assert [s["t"] for s in history.since(None)] == [1015.0 + i for i in range(10)]
+    assert [s["t"] for s in history.since(1022.0)] == [1023.0, 1024.0]
+    with pytest.raises(ValueError, match="interval_s"):
+        StatusHistory(registry, queue_depth=lambda: 0, window_s=0.5)
+
+
+async def test_status_json_has_the_model_card_and_new_samples(registry):
+    async with running(ScriptedModel(), registry, status_window_s=10) as client:
+        assert (await client.post("/v1/infer", json={"inputs": ["a", "b c"]})).status_code == 200
+        history = client._transport.app.state.status_history
+        history.sample(wall_s=2e9, mono_s=time.monotonic())
+        body = (await client.get("/status.json")).json()
+        newer = (await client.get("/status.json", params={"since": 2e9})).json()
+        page = await client.get("/status")
+    assert body["ready"] is True and body["window_s"] == 10
+    assert body["model"]["name"] == "scripted" and body["model"]["max_batch_size"] == 32
+    assert body["samples"][-1]["t"] == 2e9
+    assert sum(s["requests_per_s"] for s in body["samples"]) > 0
+    assert newer["samples"] == []
+    assert page.status_code == 200 and "/status/assets/uPlot.iife.min.js" in page.text
+
+
+async def test_status_page_is_behind_the_api_key_and_a_browser_can_send_it(registry):
+    basic = base64.b64encode(b"anyone:K123").decode()
+    async with running(ScriptedModel(), registry, api_key="K123") as client:
+        for path in ("/status", "/status.json", "/status/assets/status.js"):
+            refused = await client.get(path)
+            assert_error(refused, 401, "unauthorized")
+            assert refused.headers["www-authenticate"].startswith('Basic realm="batchfit"')
+            assert (await client.get(path, headers={"Authorization": f"Basic {basic}"})).is_success
+            bearer = await client.get(path, headers={"Authorization": "Bearer K123"})
+            assert bearer.is_success
+        wrong = base64.b64encode(b"anyone:nope").decode()
+        assert_error(
+            await client.get("/status.json", headers={"Authorization": f"Basic {wrong}"}),
+            401, "unauthorized",
+        )  # fmt: skip
+        # Basic auth is for browser pages only; the API still wants the bearer key.
+        infer = await client.post(
+            "/v1/infer", json={"inputs": "a"}, headers={"Authorization": f"Basic {basic}"}
+        )
+        assert_error(infer, 401, "unauthorized")
