@@ -56,7 +56,7 @@ class BenchOptions:
     overhead_concurrency: tuple[int, ...] = (1, 32)
     seed: int = 0
     max_batch_size: int = 128
-    max_batch_tokens: int = 16384
+    max_batch_tokens: int = 4096
     """The in-process limit's budget: the server's defaults."""
     extra_server_flags: tuple[str, ...] = ()
     parallel_start: bool = False

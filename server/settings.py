@@ -58,10 +58,11 @@ class Settings(BaseSettings):
         "budget and the time model choose each batch.",
     )
     max_batch_tokens: int = Field(
-        16384,
+        4096,
         ge=1,
-        description="Most padded tokens (items x longest input) in one forward pass; also a "
-        "generous cap.",
+        description="Most padded tokens (items x longest input) in one forward pass. On a CPU "
+        "larger passes cost more per token (they outgrow the caches), which the time model "
+        "cannot see; within the cap the memory budget and the time model choose.",
     )
     max_wait_ms: float = Field(
         0.0,
