@@ -284,10 +284,6 @@ class Batcher:
             for pending in live:
                 _fail(pending, InferenceFailed("model returned the wrong number of outputs"))
             return
-        self.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
-        if self.time_model is not None:
-            self.time_model.observe(len(live), padded_len, elapsed)
-        self._record_peak(predicted, peak)
         orphans = 0
         for pending, output in zip(live, outputs, strict=True):
             if pending.future.done():
@@ -296,6 +292,12 @@ class Batcher:
                 pending.future.set_result(output)
         if orphans:
             self.metrics.cancelled.labels("running").inc(orphans)
+        # NOTE: after the futures: a refit of the time model (every few batches, a few
+        # least-squares fits on the event loop) must not delay this batch's answers.
+        self.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
+        if self.time_model is not None:
+            self.time_model.observe(len(live), padded_len, elapsed)
+        self._record_peak(predicted, peak)
 
     def _record_prediction(self, num_items: int, padded_len: int) -> float | None:
         budget = self._budget

@@ -73,10 +73,9 @@ def fit_time_model(
     best: tuple[float, np.ndarray] | None = None
     for terms in _TERMS:
         columns = design[:, terms]
-        if np.linalg.matrix_rank(columns) < len(terms):
-            continue
-        solution, *_ = np.linalg.lstsq(columns, target, rcond=None)
-        if (solution < 0).any():
+        # lstsq's own rank: one SVD per subset instead of two (this runs on the event loop).
+        solution, _, rank, _ = np.linalg.lstsq(columns, target, rcond=None)
+        if rank < len(terms) or (solution < 0).any():
             continue
         residual = float(np.sum((columns @ solution - target) ** 2))
         if best is None or residual < best[0] - 1e-12:

@@ -45,6 +45,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     add("--idle-requests", type=int, default=None,
         help="Single-input requests sent one by one for the idle-latency target "
              "(default: 100; --quick: 10).")
+    add("--overhead-requests", type=int, default=None,
+        help="Single-input requests per level against a no-op model, for the server's own CPU "
+             "time per request (default: 400; --quick: 40; 0 skips it).")
     add("--seed", type=int, default=None, help="Workload seed (default: 0).")
     add("--server-flag", action="append", default=[], dest="server_flags", metavar="FLAG",
         help="Extra flag for every server (repeatable), e.g. --server-flag=--max-wait-ms=0.")
@@ -59,6 +62,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         "requests_per_level": args.requests,
         "duration_s": args.duration_s,
         "idle_requests": args.idle_requests,
+        "overhead_requests": args.overhead_requests,
         "seed": args.seed,
         "extra_server_flags": tuple(args.server_flags) or None,
     }

@@ -13,7 +13,7 @@ import functools
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from batching import BatchBudget, cheapest_partition, fit_time_model
@@ -42,6 +42,8 @@ class LimitResult:
     """Which plan of ideal batches was faster (the figures above are its own)."""
     other_plan_inputs_per_s: float = float("nan")
     """Throughput of the slower plan (NaN if it could not be made)."""
+    num_threads: int = 0
+    """torch intra-op threads of the timed passes."""
 
 
 def ideal_batches(costs: Sequence[int], max_items: int, max_tokens: int) -> list[list[int]]:
@@ -78,10 +80,12 @@ def cheapest_batches(
 
 
 def load_bench_model(model: str | None = None) -> Model:
-    """The model as a replica loads it (same defaults, same thread count)."""
-    from models import ModelSpec, load_model
+    """The model as a plain script would run it: the server's model defaults, and torch's
+    default thread count (every CPU this process may use), whatever the server's own default."""
+    from models import ModelSpec, available_cpus, load_model
 
-    return load_model(ModelSpec() if model is None else ModelSpec(model=model))
+    spec = ModelSpec(num_threads=available_cpus())
+    return load_model(spec if model is None else replace(spec, model=model))
 
 
 def measure_limit(
@@ -93,6 +97,8 @@ def measure_limit(
     repeats: int = 1,
 ) -> LimitResult:
     """Tokenize ``texts``, warm up, then time ``repeats`` passes over each plan's batches."""
+    import torch
+
     started = time.perf_counter()
     items = loaded.prepare(list(texts), truncate=True)
     tokenize_s = time.perf_counter() - started
@@ -128,6 +134,7 @@ def measure_limit(
         cpu_ms_per_input=cpu_s * 1e3 / len(items),
         plan=LARGEST if best is results[0] else CHEAPEST,
         other_plan_inputs_per_s=len(items) / other[0][0] if other else math.nan,
+        num_threads=torch.get_num_threads(),
     )
 
 

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     workload = make_workload(args.requests, args.seed, args.long_share)
     common = ["--memory-limit", args.memory_limit, "--max-wait-ms", "5"]
-    # Adaptive runs with the server's default caps (32 items, 4096 padded tokens): within them
+    # Adaptive runs with the server's default caps (items and padded tokens): within them
     # memory decides. Fixed sizes get room for a full batch of maximum-length inputs.
     settings = [("adaptive", common)]
     for size in (int(s) for s in args.fixed.split(",")):

@@ -42,7 +42,8 @@ def load_table(result: BenchResult) -> str:
         "| mean batch | padding | queue wait ms | CPU ms/input | peak RSS MiB |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: "
         "| ---: |",
-        f"| limit | in-process, {limit.plan} | {limit.inputs_per_s:.1f} | - | - | - | - | - | 0 "
+        f"| limit | in-process, {limit.num_threads} threads, {limit.plan} "
+        f"| {limit.inputs_per_s:.1f} | - | - | - | - | - | 0 "
         f"| {limit.mean_batch_size:.1f} | {limit.padding_ratio:.2f} | - "
         f"| {_num(limit.cpu_ms_per_input, 2)} | - |",
     ]
@@ -75,6 +76,29 @@ def idle_table(idle: dict[str, LoadSummary], batch1_p50_s: dict[str, float]) -> 
             f"| {_ms(batch1)} | {_num(s.mean_queue_wait_s * 1e3, 2)} | {_errors(s.errors)} |"
         )
     return "\n".join(lines)
+
+
+def overhead_table(rows: Sequence[LoadSummary]) -> list[str]:
+    """The no-op model's levels: the server's own cost per request."""
+    if not rows:
+        return []
+    lines = [
+        "## Server overhead",
+        "",
+        "The same server serving a model that does no work (`--model python:bench.noop:create`), "
+        "single-input requests: what HTTP, validation, the queue, the batcher, the hand-offs "
+        "to the model thread and back and the JSON answer cost per request, in the server's "
+        "CPU time and in latency as the client sees it.",
+        "",
+        "| load | requests/s | p50 ms | p99 ms | server CPU ms/request | errors |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for s in rows:
+        lines.append(
+            f"| {s.load} | {s.requests_per_s:.0f} | {_num(s.p50_s * 1e3, 2)} "
+            f"| {_num(s.p99_s * 1e3, 2)} | {_num(s.cpu_ms_per_input, 2)} | {_errors(s.errors)} |"
+        )
+    return [*lines, ""]
 
 
 def _limit_drift(result: BenchResult) -> list[str]:
@@ -114,13 +138,16 @@ def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
         f"Workload: seed {o.seed}, {o.requests_per_level} requests per closed-loop level "
         "(75% short, 20% medium, 5% near the 256-token maximum; 20% of requests carry 2-8 "
         "inputs); open-loop levels send Poisson arrivals with 10% bursts of 16 for "
-        f"{o.duration_s:g} s. The limit runs the same inputs through `model.forward` in "
-        f"ideal batches (sorted by length, at most {o.max_batch_size} items and "
-        f"{o.max_batch_tokens} padded tokens), planned with every input known in advance, "
-        "two ways: the largest batches the budget allows, and the cheapest split by a time "
-        "model fitted to those batches. The faster plan counts: "
-        f"{limit.plan}, {limit.num_batches} batches, {limit.compute_s:.2f} s of compute "
-        f"(the other plan: {_num(limit.other_plan_inputs_per_s)} inputs/s); tokenizing took "
+        f"{o.duration_s:g} s. Every server configuration runs with the server's default "
+        "thread count (every CPU) unless `--server-flag` sets one. The limit runs the same "
+        "inputs through `model.forward` as a plain script would: torch's default thread count "
+        f"({limit.num_threads} threads, every CPU this process may use) and ideal batches over "
+        f"every input at once (sorted by length, at most {o.max_batch_size} items and "
+        f"{o.max_batch_tokens} padded tokens, the server's default caps), planned two ways: "
+        "the largest batches the budget allows, and the cheapest split by a time model fitted "
+        f"to those batches. The faster plan counts: {limit.plan}, {limit.num_batches} batches, "
+        f"{limit.compute_s:.2f} s of compute (the other plan: "
+        f"{_num(limit.other_plan_inputs_per_s)} inputs/s); tokenizing took "
         f"{limit.tokenize_s:.3f} s more (not counted). Padding is padded / real tokens. "
         "Latencies are client-side, over successful requests.",
         "",
@@ -133,6 +160,7 @@ def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
         "",
         idle_table(result.idle, result.batch1_p50_s),
         "",
+        *overhead_table(result.overhead),
         "## Targets",
         "",
         target_table(targets(result)),

@@ -11,7 +11,7 @@ from .errors import (
     is_out_of_memory,
     translate_error,
 )
-from .loading import BUNDLED_MODEL, ModelSpec, load_model, resolve_device
+from .loading import BUNDLED_MODEL, ModelSpec, available_cpus, load_model, resolve_device
 from .profiling import BatchProfiler, ProfilerBusy, ProfileStatus
 from .quantization import quantize_int8
 from .text import TextModel
@@ -32,6 +32,7 @@ __all__ = [
     "ProfileStatus",
     "ProfilerBusy",
     "TextModel",
+    "available_cpus",
     "is_out_of_memory",
     "load_entry_point",
     "load_model",

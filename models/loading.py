@@ -70,14 +70,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
 
 
 def cpu_threads(requested: int | None) -> int:
-    """Intra-op threads for CPU inference: as asked, else one less than the CPUs this process
-    may use (at least 1). NOTE: the event loop needs a core for HTTP and tokenization; with
-    every core in torch's pool the pool's barriers stall whenever the loop (or anything else
-    on the host) runs, which on a 2-core host halves throughput instead of doubling it."""
+    """Intra-op threads for CPU inference: as asked, else every CPU this process may use
+    (torch's own default). NOTE: measured on 2 vCPUs, leaving a core to the event loop cost a
+    third of throughput and of one-client latency; what hurt with every core in the pool was
+    OpenMP's idle workers spinning on the event loop's core, which the server bounds
+    (``GOMP_SPINCOUNT``)."""
     if requested is not None:
         return requested
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return max(1, (available or os.cpu_count() or 1) - 1)
+    return available_cpus()
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: torch's own default thread count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def resolve_model_path(model: str) -> str:

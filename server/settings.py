@@ -52,9 +52,18 @@ class Settings(BaseSettings):
         description="Serve /metrics on this port (same address) instead of the main port, so "
         "it stays off the public path.",
     )
-    max_batch_size: int = Field(32, ge=1, description="Most items in one forward pass.")
+    max_batch_size: int = Field(
+        128,
+        ge=1,
+        description="Most items in one forward pass. A generous cap: within it the memory "
+        "budget and the time model choose each batch.",
+    )
     max_batch_tokens: int = Field(
-        4096, ge=1, description="Most padded tokens (items x longest input) in one forward pass."
+        4096,
+        ge=1,
+        description="Most padded tokens (items x longest input) in one forward pass. On a CPU "
+        "larger passes cost more per token (they outgrow the caches), which the time model "
+        "cannot see; within the cap the memory budget and the time model choose.",
     )
     max_wait_ms: float = Field(
         0.0,
@@ -88,8 +97,8 @@ class Settings(BaseSettings):
     num_threads: int | None = Field(
         None,
         ge=1,
-        description="torch intra-op threads on CPU; default: one less than the CPUs available "
-        "(at least 1), so the event loop keeps a core.",
+        description="torch intra-op threads on CPU; default: every CPU the process may use "
+        "(torch's own default), the fastest on 2 vCPUs both idle and under load.",
     )
     max_body_bytes: int = Field(
         2 * 2**20, ge=1024, description="Largest request body accepted; beyond it 413."

@@ -185,3 +185,19 @@ async def test_plans_by_time_once_the_model_is_fitted(harness_factory, clock):
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
     assert model.batch_sizes == [3, 2]
     assert all(p.future.done() for p in pendings)
+
+
+async def test_answers_are_out_before_the_time_model_learns_from_the_batch(harness_factory):
+    """A refit of the time model runs on the event loop; it must not delay the answers."""
+    h = harness_factory(plan_by_time=True)
+    pendings = h.submit(["a", "b b"])
+    seen = []
+    observe = h.batcher.time_model.observe
+
+    def spy(*args):
+        seen.append([p.future.done() for p in pendings])
+        observe(*args)
+
+    h.batcher.time_model.observe = spy
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert seen == [[True, True]]

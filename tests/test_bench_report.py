@@ -15,8 +15,9 @@ from bench.stats import batching_figures, parse_scrape, percentile, summarize
 
 LIMIT = LimitResult(
     num_inputs=100, num_batches=4, compute_s=0.5, inputs_per_s=200.0, mean_batch_size=25.0,
-    padding_ratio=1.1, tokenize_s=0.01,
+    padding_ratio=1.1, tokenize_s=0.01, num_threads=2,
 )  # fmt: skip
+SATURATION = "saturation throughput vs in-process limit (all cores)"
 
 
 def outcomes(latencies_ms, status=200, inputs=2):
@@ -110,17 +111,17 @@ def test_saturation_uses_the_limit_measured_just_before_adaptive():
     result = make_result()
     result.limit_before_top = {"adaptive": replace(LIMIT, inputs_per_s=182.0)}
     by_name = {t.name: t for t in targets(result)}
-    assert by_name["saturation throughput vs in-process limit"].ratio == pytest.approx(1.0)
+    assert by_name[SATURATION].ratio == pytest.approx(1.0)
     text = render_markdown(result, command="batchfit bench", plots=False)
     assert "just before each configuration's highest level: adaptive 182.0 inputs/s" in text
 
 
 def test_targets_are_ratios_against_the_limit_and_batching_off():
     by_name = {t.name: t for t in targets(make_result())}
-    saturation = by_name["saturation throughput vs in-process limit"]
+    saturation = by_name[SATURATION]
     assert saturation.ratio == pytest.approx(182 / 200) and saturation.met
-    idle = by_name["one-client p50 vs batch-1 latency + 2 ms"]
-    assert idle.ratio == pytest.approx(5 / 6) and idle.met
+    idle = by_name["one-client p50 vs batch-1 latency + 1.5 ms"]
+    assert idle.ratio == pytest.approx(5 / 5.5) and idle.met
     on_off = by_name["batching on vs off at saturation (throughput)"]
     assert on_off.ratio == pytest.approx(182 / 40) and on_off.met
     p99 = by_name["p99 on vs off at the highest load"]
@@ -130,7 +131,8 @@ def test_targets_are_ratios_against_the_limit_and_batching_off():
 def test_markdown_has_the_table_and_targets():
     text = render_markdown(make_result(), command="batchfit bench --quick", plots=True)
     assert "batchfit bench --quick" in text
-    assert "| limit | in-process, largest batches | 200.0 |" in text
+    assert "| limit | in-process, 2 threads, largest batches | 200.0 |" in text
+    assert "torch's default thread count (2 threads, every CPU" in text
     assert "| adaptive | c=16 | 182.0 | 91.0 | 50.0 | 50.0 | 400.0 | 400.0 | 0 |" in text
     assert (
         "| p99 on vs off at the highest load | 400.0 vs 100.0 ms (c=16) | <= 1.00 | 4.00 |" in text
@@ -166,3 +168,32 @@ def test_cpu_time_target_when_both_sides_were_measured():
     result.summaries[-1] = replace(result.summaries[-1], cpu_ms_per_input=10.0)
     cpu = {t.name: t for t in targets(result)}["CPU time per input, limit vs server at saturation"]
     assert cpu.ratio == pytest.approx(0.9) and cpu.met
+
+
+def test_adaptive_against_the_best_fixed_configuration_at_its_worst_level():
+    result = make_result()
+    result.summaries += [
+        summarize("fixed-64", "c=1", outcomes([9] * 10), 1.0),  # 20 inputs/s, as adaptive
+        summarize("fixed-64", "c=16", outcomes([50] * 80), 1.0),  # 160
+        summarize("fixed-128", "c=16", outcomes([50] * 100), 1.0),  # 200: the best at c=16
+    ]
+    fixed = {t.name: t for t in targets(result)}[
+        "adaptive vs the best fixed configuration at every level"
+    ]
+    assert fixed.ratio == pytest.approx(182 / 200) and fixed.met is False
+    assert "vs fixed-128 200.0 inputs/s (c=16" in fixed.measured
+
+
+def test_no_fixed_target_without_a_fixed_configuration():
+    names = {t.name for t in targets(make_result())}
+    assert "adaptive vs the best fixed configuration at every level" not in names
+
+
+def test_overhead_section_shows_server_cpu_per_request():
+    result = make_result()
+    result.overhead = [summarize("no-op model", "c=1", outcomes([1.2] * 10, inputs=1), 0.5,
+                                 cpu_s=0.011)]  # fmt: skip
+    text = render_markdown(result, command="batchfit bench", plots=False)
+    assert "## Server overhead" in text
+    assert "| c=1 | 20 | 1.20 | 1.20 | 1.10 | 0 |" in text
+    assert "## Server overhead" not in render_markdown(make_result(), command="b", plots=False)

@@ -1,6 +1,7 @@
 """`batchfit bench --quick` end to end: real replicas, the real model, a real report."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -41,10 +42,21 @@ def test_quick_bench_writes_the_report(tmp_path):
     assert rows[("off", "c=8")]["mean_batch_size"] == 1.0
     assert rows[("adaptive", "c=8")]["mean_batch_size"] > 1.0
     assert {t["name"] for t in figures["targets"]} >= {
-        "saturation throughput vs in-process limit", "one-client p50 vs batch-1 latency + 2 ms",
+        "saturation throughput vs in-process limit (all cores)",
+        "one-client p50 vs batch-1 latency + 1.5 ms",
     }  # fmt: skip
+    # The limit runs on torch's default thread count: every CPU the bench may use.
+    threads = figures["limit"]["num_threads"]
+    assert threads == len(os.sched_getaffinity(0))
+    # The no-op model's levels: the server's own CPU per request, every request answered.
+    overhead = {row["load"]: row for row in figures["overhead"]}
+    assert set(overhead) == {"c=1", "c=32"}
+    for row in overhead.values():
+        assert row["errors"] == {} and row["num_requests"] == 40
+        assert 0 < row["cpu_ms_per_input"] < 50
     report = (out / "report.md").read_text()
-    assert f"| limit | in-process, {figures['limit']['plan']} |" in report
+    assert f"| limit | in-process, {threads} threads, {figures['limit']['plan']} |" in report
+    assert "## Server overhead" in report
     assert "| adaptive | c=8 |" in report
     for png in ("throughput_vs_p99.png", "timeline.png"):
         assert (out / png).read_bytes().startswith(b"\x89PNG")
