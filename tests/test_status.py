@@ -6,6 +6,7 @@ import time
 import pytest
 
 from batching import BatchingMetrics, MemoryMetrics
+from server import Settings
 from server.middleware import RequestRecord
 from server.status import SAMPLE_FIELDS, StatusHistory, percentile
 from tests.fakes import ScriptedModel
@@ -90,7 +91,10 @@ async def test_status_json_has_the_model_card_and_new_samples(registry):
         newer = (await client.get("/status.json", params={"since": 2e9})).json()
         page = await client.get("/status")
     assert body["ready"] is True and body["window_s"] == 10
-    assert body["model"]["name"] == "scripted" and body["model"]["max_batch_size"] == 32
+    assert (
+        body["model"]["name"] == "scripted"
+        and body["model"]["max_batch_size"] == Settings().max_batch_size
+    )
     assert body["samples"][-1]["t"] == 2e9
     assert sum(s["requests_per_s"] for s in body["samples"]) > 0
     assert newer["samples"] == []
