@@ -74,7 +74,7 @@ def test_sigterm_mid_run_drains_and_no_client_sees_a_failure(tmp_path):
     assert run.failures == [], run.failures[:5]
     assert len(entries) == LOAD_REQUESTS
     # The victim drained and exited cleanly (the launcher reports its exit status).
-    assert re.search(rf"{VICTIM} exited with 0\b", launcher_log), launcher_log[-2000:]
+    assert re.search(rf"{VICTIM} \(pid \d+\) exited with 0\b", launcher_log), launcher_log[-2000:]
     # The victim itself answered the work it had admitted when SIGTERM landed.
     assert state["held_done_at_kill"] is False
     assert held_response.status_code == 200, held_response.text

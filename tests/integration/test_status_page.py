@@ -82,7 +82,7 @@ def test_start_up_says_what_it_is_doing_then_one_ready_line(server):
         f"http://127.0.0.1:{server.port} serves all-MiniLM-L6-v2 (embed) on cpu, float32; "
         "memory budget "
     ), line
-    assert re.search(r"memory budget [\d,]+ MiB per batch \(.*at most 32 items", line), line
+    assert re.search(r"memory budget [\d,]+ MiB per batch \(.*at most \d+ items", line), line
 
 
 def _same_origin(url: str, port: int) -> bool:
