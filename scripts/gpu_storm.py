@@ -162,8 +162,13 @@ def _storm(
         "splits > 0 or peak under the room at ready": splits > 0 or held_peak <= room,
         f"cosine >= {MIN_COSINE[dtype]} ({dtype})": cosine >= MIN_COSINE[dtype],
         "still ready": ready,
-        f"budget back within {GROW_BACK_BATCHES} batches": figures["grow_back"]["ok"],
     }
+    # NOTE: on the CPU (the dry run) the budget follows the host's free memory, which other
+    # processes move; there the figure is recorded but does not gate the check.
+    if plan.device.startswith("cuda"):
+        figures["checks"][f"budget back within {GROW_BACK_BATCHES} batches"] = figures["grow_back"][
+            "ok"
+        ]
     if plan.device.startswith("cuda") and plan.dtype == "auto":
         figures["checks"]["dtype auto is float16 on CUDA"] = dtype == "float16"
     if plan.sizer == "fixed":
