@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -14,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from websockets.sync.client import ClientConnection, connect
 
+from tests.ci import unavailable
 from tests.servers import free_port
 
 
@@ -25,9 +24,7 @@ def require_chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
         message = "chromium is not installed (apt-get install chromium, as .ci/run does)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(message)
     return path
 
 

