@@ -24,9 +24,13 @@ def tiny_bert_config(**overrides: object) -> BertConfig:
 
 
 def save_tiny_model(folder: Path, *, task: str = "embed", seed: int = 0) -> Path:
-    """Write a tiny BERT with random weights and the bundled tokenizer to ``folder``."""
+    """Write a tiny BERT with random weights and the bundled tokenizer to ``folder``: an
+    encoder (embed), a three-label classifier (classify) or a one-label cross-encoder (rerank)."""
     torch.manual_seed(seed)
-    if task == "classify":
+    if task == "rerank":
+        config = tiny_bert_config(num_labels=1, architectures=["BertForSequenceClassification"])
+        module = BertForSequenceClassification(config)
+    elif task == "classify":
         config = tiny_bert_config(
             num_labels=3,
             id2label={0: "negative", 1: "neutral", 2: "positive"},
