@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, disable_created_metrics
@@ -20,6 +20,7 @@ from .errors import install_error_handlers
 from .metrics_server import serve_metrics
 from .middleware import RequestContextMiddleware
 from .protocols import kserve_v2, openai
+from .rerank import router as rerank_router
 from .routes import metrics_response, router
 from .runtime import Runtime
 from .settings import Settings
@@ -31,6 +32,7 @@ def create_app(
     settings: Settings,
     *,
     model: Model | None = None,
+    models: Mapping[str, Model] | None = None,
     probe: MemoryProbe | None = None,
     clock: Clock | None = None,
     registry: CollectorRegistry | None = None,
@@ -46,6 +48,7 @@ def create_app(
         settings,
         registry=registry,
         model=model,
+        models=models,
         clock=clock,
         sizer=sizer,
         probe=probe,
@@ -85,6 +88,7 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(rerank_router)
     app.include_router(openai.router)
     app.include_router(kserve_v2.router)
     if settings.admin_token is not None:

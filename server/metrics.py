@@ -23,15 +23,20 @@ class ServerMetrics:
         )
         self.request_duration = Histogram(
             "batchfit_request_duration_seconds",
-            "End-to-end request latency inside the replica.",
-            ["endpoint"],
+            "End-to-end request latency inside the replica, by endpoint and model (empty for "
+            "endpoints that run no model).",
+            ["endpoint", "model"],
             buckets=latency_buckets(max_latency_s),
             registry=registry,
         )
-        self.inputs = Counter("batchfit_inputs", "Inputs answered successfully.", registry=registry)
+        self.inputs = Counter(
+            "batchfit_inputs", "Inputs answered successfully, by model.", ["model"],
+            registry=registry,
+        )  # fmt: skip
         self.input_tokens = Counter(
-            "batchfit_input_tokens", "Tokens of inputs answered successfully.", registry=registry
-        )
+            "batchfit_input_tokens", "Tokens of inputs answered successfully, by model.",
+            ["model"], registry=registry,
+        )  # fmt: skip
         self.in_flight = Gauge(
             "batchfit_requests_in_flight", "Requests being handled now.", registry=registry
         )
@@ -47,4 +52,7 @@ class ServerMetrics:
         self.draining = Gauge(
             "batchfit_draining", "1 while the replica drains before exit.", registry=registry
         )
-        self.model = Info("batchfit_model", "The model this replica serves.", registry=registry)
+        self.model = Info(
+            "batchfit_model", "The models this replica serves, one series each.", ["model"],
+            registry=registry,
+        )  # fmt: skip

@@ -68,3 +68,14 @@ def test_missing_nginx_fails_before_starting_anything(tmp_path, caplog):
     assert main(["up", "--nginx", str(tmp_path / "no-nginx"), "--workdir", str(workdir)]) == 1
     assert "no-nginx' binary found" in caplog.text
     assert not list(workdir.glob("replica-*.log"))  # no replica was started
+
+
+def test_repeated_model_flags_reach_every_replica():
+    given = up_args("--model", "e=all-MiniLM-L6-v2", "--model", "rr=/m/ce", "--task", "rr=rerank")
+    replica = {k: v for k, v in given.items() if k in Settings.model_fields}
+    argv = passthrough_argv(replica)
+    assert argv == ["--model", "e=all-MiniLM-L6-v2", "--model", "rr=/m/ce", "--task", "rr=rerank"]
+    serve = vars(build_parser().parse_args(["serve", *argv]))
+    assert Settings(**{k: v for k, v in serve.items() if k in Settings.model_fields}).model == (
+        "e=all-MiniLM-L6-v2", "rr=/m/ce",
+    )  # fmt: skip
