@@ -16,10 +16,13 @@ import httpx
 import pytest
 
 from batching.procfs import kib_field
+from models.loading import BUNDLED_MODEL
 from tests.reference import cosine, reference_embeddings
 from tests.servers import run_server
 
 pytestmark = pytest.mark.integration
+
+MODEL = f'model="{BUNDLED_MODEL}"'
 
 MEMORY_LIMIT = 640 * 2**20
 WORDS = [
@@ -100,8 +103,8 @@ def test_fixed_batches_too_big_for_the_limit_are_split_and_nobody_fails(tmp_path
         responses = send_burst(server.url, texts)
         check_answers(texts, responses)
         scrape = httpx.get(f"{server.url}/metrics").text
-        assert metric(scrape, "batchfit_oom_events_total", 'outcome="split"') > 0
-        assert metric(scrape, "batchfit_oom_events_total", 'outcome="failed"') == 0
+        assert metric(scrape, "batchfit_oom_events_total", f'{MODEL},outcome="split"') > 0
+        assert metric(scrape, "batchfit_oom_events_total", f'{MODEL},outcome="failed"') == 0
         assert "can't allocate memory" in server.log() or "ran out of memory" in server.log()
         # Still serving and still ready afterwards.
         assert httpx.post(f"{server.url}/v1/infer", json={"inputs": "after"}).status_code == 200
@@ -123,11 +126,11 @@ def test_adaptive_sizer_under_the_same_limit_fails_nothing(tmp_path):
             sampler.join()
         check_answers(texts, responses)
         scrape = httpx.get(f"{server.url}/metrics").text
-        splits = metric(scrape, "batchfit_oom_events_total", 'outcome="split"')
-        assert metric(scrape, "batchfit_oom_events_total", 'outcome="failed"') == 0
+        splits = metric(scrape, "batchfit_oom_events_total", f'{MODEL},outcome="split"')
+        assert metric(scrape, "batchfit_oom_events_total", f'{MODEL},outcome="failed"') == 0
         # Either the plan kept every batch under the limit, or OOMs were split and survived.
         # 2% slack: RSS also holds the event loop's request and response buffers, which the
         # batch plan does not cover (seen: 3.8 MiB over under heavy load).
         assert splits > 0 or sampler.peak <= MEMORY_LIMIT * 1.02, (splits, sampler.peak)
-        assert metric(scrape, "batchfit_batch_budget_bytes") < MEMORY_LIMIT
+        assert metric(scrape, "batchfit_batch_budget_bytes", MODEL) < MEMORY_LIMIT
         assert httpx.post(f"{server.url}/v1/infer", json={"inputs": "after"}).status_code == 200
