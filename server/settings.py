@@ -224,8 +224,10 @@ class Settings(BaseSettings):
         """Each model's name (None: its own) and what to load."""
         return model_specs(self.model_entries(), self.model_spec())
 
-    def max_items_per_model(self) -> int | None:
-        if self.max_queue_share >= 1 or len(self.model) < 2:
+    def max_items_per_model(self, num_models: int | None = None) -> int | None:
+        """What one model may hold of the queue (None: all of it), serving ``num_models``
+        (default: as many as ``model`` names)."""
+        if self.max_queue_share >= 1 or (num_models or len(self.model)) < 2:
             return None
         return max(1, int(self.max_queue_items * self.max_queue_share))
 

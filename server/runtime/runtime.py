@@ -84,7 +84,7 @@ class Runtime:
         self.queue = RequestQueue(
             settings.max_queue_items,
             priority_aging_s=settings.priority_aging_s,
-            max_items_per_model=settings.max_items_per_model(),
+            max_items_per_model=settings.max_items_per_model(len(self._slots)),
         )
         self.work = WorkTracker(registry)
         self.draining = False
