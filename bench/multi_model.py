@@ -3,7 +3,8 @@ with half the limit each.
 
 The models are the bundled embedder and a classifier of the same size (the bundled model's
 config with random weights and three labels, built in a temporary folder). One seeded
-mixed-length workload goes to both, each request to one model at random. Reported per setup:
+mixed-length workload goes to both, each request to one model at random. A third setup gives
+the one replica as many torch threads as the two replicas have together. Reported per setup:
 inputs per second, p50 and p99 latency, failed requests and the peak of the replicas' summed
 resident memory. Run: ``python -m bench.multi_model`` (loopback only, bounded).
 """
@@ -149,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--long-share", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads of the one replica in the third setup: as many as the two "
+        "replicas have together (each has the default, CPUs - 1, which is 1 on 2 cores)",
+    )
     parser.add_argument("--log-dir", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -164,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
                 "one replica, both models",
                 [["--model", embed_flag, "--model", classify_flag,
                   "--memory-limit", f"{limit}MiB", *common]],
+                {EMBEDDER: 0, CLASSIFIER: 0},
+            ),
+            (
+                f"one replica, {args.threads} threads",
+                [["--model", embed_flag, "--model", classify_flag,
+                  "--memory-limit", f"{limit}MiB", "--num-threads", str(args.threads), *common]],
                 {EMBEDDER: 0, CLASSIFIER: 0},
             ),
             (
