@@ -117,15 +117,15 @@ def test_concurrent_requests_are_batched_and_answered_in_order(server, reference
             assert cosine(output, reference[i]) >= 0.9999
     items = sum(len(picks) for picks, _ in results)
     batches = metric(after, "batchfit_batch_size_count", MODEL) - metric(
-        before, "batchfit_batch_size_count"
+        before, "batchfit_batch_size_count", MODEL
     )
     batched_items = metric(after, "batchfit_batch_size_sum", MODEL) - metric(
-        before, "batchfit_batch_size_sum"
+        before, "batchfit_batch_size_sum", MODEL
     )
     assert batched_items == items
     assert batches < items / 2, f"{batches} batches for {items} items: little batching"
-    singles = metric(after, "batchfit_batch_size_bucket", f'{MODEL},le="1.0"') - metric(
-        before, "batchfit_batch_size_bucket", f'{MODEL},le="1.0"'
+    singles = metric(after, "batchfit_batch_size_bucket", f'le="1.0",{MODEL}') - metric(
+        before, "batchfit_batch_size_bucket", f'le="1.0",{MODEL}'
     )
     assert singles < batches  # some batches held more than one item
 
