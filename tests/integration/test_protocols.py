@@ -244,7 +244,7 @@ def test_all_protocols_share_one_queue_and_batcher(server):
         before, "batchfit_batch_size_sum", MODEL
     )
     batches = metric(after, "batchfit_batch_size_count", MODEL) - metric(
-        before, "batchfit_batch_size_count"
+        before, "batchfit_batch_size_count", MODEL
     )
     assert items == len(responses)
     assert batches < items
