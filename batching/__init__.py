@@ -3,7 +3,7 @@
 Never imports a concrete model: the batcher drives anything with a ``forward`` callable.
 """
 
-from .batcher import Batcher, BatcherConfig, ModelThread
+from .batcher import Batcher, BatcherConfig, Lane, ModelThread
 from .clock import Clock, MonotonicClock
 from .errors import (
     BatchingError,
@@ -13,7 +13,13 @@ from .errors import (
     QueueFull,
     ShuttingDown,
 )
-from .metrics import BatchingMetrics, MemoryMetrics, powers_of_two
+from .metrics import (
+    BatchingMetrics,
+    MemoryMetrics,
+    ModelBatchingMetrics,
+    ModelMemoryMetrics,
+    powers_of_two,
+)
 from .planner import (
     BatchBudget,
     BatchPlan,
@@ -68,10 +74,13 @@ __all__ = [
     "FixedSizer",
     "HostProbe",
     "InferenceFailed",
+    "Lane",
     "MemoryLimit",
     "MemoryMetrics",
     "MemoryProbe",
     "MemoryReading",
+    "ModelBatchingMetrics",
+    "ModelMemoryMetrics",
     "ModelThread",
     "MonotonicClock",
     "NvmlProbe",

@@ -1,4 +1,9 @@
-"""The batcher loop: wait for work, plan a batch, run it on the model thread, resolve futures."""
+"""The batcher loop: wait for work, plan a batch, run it on the model thread, resolve futures.
+
+One batcher serves every model of a replica (its ``lanes``): the oldest waiting item, by
+effective priority then arrival, picks the model that runs next; its batch-mates come from the
+same model, sized by that model's sizer against the memory read just before the batch.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from typing import Any, TypeVar
 
 from .clock import Clock
 from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
-from .metrics import BatchingMetrics, MemoryMetrics
+from .metrics import BatchingMetrics, MemoryMetrics, ModelBatchingMetrics, ModelMemoryMetrics
 from .planner import BatchBudget, BatchPlan, plan_batch, split
 from .probes import MemoryProbe, MemoryReading
 from .queue import Pending, RequestQueue
@@ -37,6 +42,37 @@ class BatcherConfig:
     """Fit a ``BatchTimeModel`` to the batches that ran and plan with it once fitted."""
 
 
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One model as the batcher sees it: queue entries tagged ``name`` run through
+    ``forward``, in batches that ``sizer`` budgets."""
+
+    name: str
+    forward: Forward
+    sizer: Sizer
+
+
+class _LaneState:
+    """A lane with what the batcher keeps for it: its time model, its metric series and
+    the budget of its last batch."""
+
+    def __init__(
+        self,
+        lane: Lane,
+        *,
+        metrics: ModelBatchingMetrics,
+        memory_metrics: ModelMemoryMetrics | None,
+        plan_by_time: bool,
+    ) -> None:
+        self.name = lane.name
+        self.forward = lane.forward
+        self.sizer = lane.sizer
+        self.metrics = metrics
+        self.memory_metrics = memory_metrics
+        self.time_model = BatchTimeModel() if plan_by_time else None
+        self.budget: BatchBudget | None = None
+
+
 class ModelThread:
     """The one thread that runs every forward pass (torch on CPU loses 30-40% hopping threads)."""
 
@@ -51,7 +87,8 @@ class ModelThread:
 
 
 class Batcher:
-    """Forms batches from ``queue`` and runs them through ``forward`` on ``model_thread``.
+    """Forms batches from ``queue`` and runs each through its lane's ``forward`` on
+    ``model_thread``.
 
     Only OOM errors (``oom_errors``) take the bisection path; the model layer turns torch's
     errors into those. ``fatal_errors`` mark the batcher unhealthy.
@@ -61,9 +98,8 @@ class Batcher:
         self,
         *,
         queue: RequestQueue,
-        forward: Forward,
+        lanes: Sequence[Lane],
         model_thread: ModelThread,
-        sizer: Sizer,
         clock: Clock,
         metrics: BatchingMetrics,
         config: BatcherConfig,
@@ -72,19 +108,26 @@ class Batcher:
         probe: MemoryProbe | None = None,
         memory_metrics: MemoryMetrics | None = None,
     ) -> None:
+        if not lanes or len({lane.name for lane in lanes}) != len(lanes):
+            raise ValueError(f"lanes need distinct names, got {[lane.name for lane in lanes]}")
         self.queue = queue
-        self.sizer = sizer
         self.clock = clock
         self.metrics = metrics
         self.config = config
-        self._forward = forward
+        self.lanes = {
+            lane.name: _LaneState(
+                lane,
+                metrics=metrics.for_model(lane.name),
+                memory_metrics=memory_metrics.for_model(lane.name) if memory_metrics else None,
+                plan_by_time=config.plan_by_time,
+            )
+            for lane in lanes
+        }
         self._model_thread = model_thread
         self._oom_errors = oom_errors
         self._fatal_errors = fatal_errors
         self._probe = probe
         self._memory_metrics = memory_metrics
-        self._budget: BatchBudget | None = None
-        self.time_model = BatchTimeModel() if config.plan_by_time else None
         self.healthy = True
         self._in_flight: Sequence[Pending] = ()
         self.num_batches = 0
@@ -111,21 +154,25 @@ class Batcher:
     async def step(self) -> int:
         """Run one batch; return how many items it held."""
         await self.queue.wait_not_empty()
+        lane = self._next_lane()
+        if lane is None:
+            return 0
         reading = self._read_memory()
-        budget = self._budget = self.sizer.budget(reading)
-        self.metrics.budget_items.set(budget.max_items)
-        self.metrics.budget_tokens.set(budget.max_tokens)
-        if self._memory_metrics is not None and budget.max_bytes is not None:
-            self._memory_metrics.budget_bytes.set(budget.max_bytes)
-        await self._fill(budget.max_items, budget.max_tokens)
+        budget = lane.budget = lane.sizer.budget(reading)
+        lane.metrics.budget_items.set(budget.max_items)
+        lane.metrics.budget_tokens.set(budget.max_tokens)
+        if lane.memory_metrics is not None and budget.max_bytes is not None:
+            lane.memory_metrics.budget_bytes.set(budget.max_bytes)
+        await self._fill(lane, budget.max_items, budget.max_tokens)
 
         now = self.clock.now()
-        waiting = self._drop_expired(self.queue.waiting(self.config.plan_window, now=now))
+        waiting = self.queue.waiting(self.config.plan_window, now=now, model=lane.name)
+        waiting = self._drop_expired(waiting)
         if not waiting:
             self._update_depth()
             return 0
         priorities = [self.queue.effective_priority(p, now) for p in waiting]
-        time_model = self.time_model
+        time_model = lane.time_model
         plan = plan_batch(
             [p.cost for p in waiting],
             budget,
@@ -136,20 +183,38 @@ class Batcher:
         batch = [waiting[i] for i in plan.indices]
         self.queue.remove(batch)
         self._update_depth()
-        self._record_dispatch(batch, plan)
+        self._record_dispatch(lane, batch, plan)
         self._in_flight = batch  # NOTE: left set if cancelled, so run() can fail these items.
-        await self._run(batch)
+        await self._run(lane, batch)
         self._in_flight = ()
         return len(batch)
 
-    async def run_calibration(self, items: Sequence[Any]) -> BatchOutcome:
-        """Run a synthetic batch (warm-up) and measure it; OOM errors propagate."""
+    def _next_lane(self) -> _LaneState | None:
+        """The lane of the oldest waiting item by effective priority, then arrival: no model
+        starves another, since every model's oldest item is served in turn."""
+        head = self.queue.waiting(1, now=self.clock.now())
+        if not head:
+            return None
+        lane = self.lanes.get(head[0].model)
+        if lane is None:
+            # A tag no lane serves is a bug upstream; fail those items rather than the loop.
+            stray = self.queue.waiting(model=head[0].model)
+            self.queue.remove(stray)
+            for pending in stray:
+                _fail(pending, InferenceFailed(f"no model named {head[0].model!r}"))
+            self._update_depth()
+        return lane
+
+    async def run_calibration(self, items: Sequence[Any], model: str) -> BatchOutcome:
+        """Run a synthetic batch (warm-up) through ``model``'s lane and measure it; OOM
+        errors propagate."""
+        lane = self.lanes[model]
         padded_len = max(item.cost for item in items)
         started = self.clock.now()
-        _, peak = await self._model_thread.call(self._measured_forward, items)
+        _, peak = await self._model_thread.call(self._measured_forward, lane.forward, items)
         elapsed = self.clock.now() - started
-        if self.time_model is not None:
-            self.time_model.observe(len(items), padded_len, elapsed)
+        if lane.time_model is not None:
+            lane.time_model.observe(len(items), padded_len, elapsed)
         return BatchOutcome(len(items), padded_len, elapsed, peak)
 
     def fail_waiting(self, error: Exception) -> None:
@@ -183,12 +248,14 @@ class Batcher:
             metrics.set_limit(reading.limit)
         return reading
 
-    def _measured_forward(self, items: Sequence[Any]) -> tuple[list[Any], int | None]:
+    def _measured_forward(
+        self, forward: Forward, items: Sequence[Any]
+    ) -> tuple[list[Any], int | None]:
         """Runs on the model thread: the forward pass and its peak memory above baseline."""
         probe = self._probe
         baseline = probe.start_batch() if probe is not None else None
         try:
-            outputs = self._forward(items)
+            outputs = forward(items)
         except self._oom_errors:
             release = getattr(probe, "release_cache", None)
             if release is not None:
@@ -199,12 +266,14 @@ class Batcher:
             return outputs, None
         return outputs, max(0, peak - baseline)
 
-    async def _fill(self, max_items: int, max_tokens: int) -> None:
-        """Wait up to ``max_wait_s`` from the oldest item's arrival for a full batch."""
-        oldest = self.queue.waiting(1)[0]
-        deadline = oldest.arrival_s + self.config.max_wait_s
+    async def _fill(self, lane: _LaneState, max_items: int, max_tokens: int) -> None:
+        """Wait up to ``max_wait_s`` from the lane's oldest item's arrival for a full batch."""
+        oldest = self.queue.waiting(1, model=lane.name)
+        if not oldest:
+            return
+        deadline = oldest[0].arrival_s + self.config.max_wait_s
         while self.clock.now() < deadline:
-            waiting = self.queue.waiting(max_items)
+            waiting = self.queue.waiting(max_items, model=lane.name)
             if len(waiting) >= max_items or sum(p.cost for p in waiting) >= max_tokens:
                 return
             self.queue.changed.clear()
@@ -221,16 +290,17 @@ class Batcher:
             _fail(pending, DeadlineExceeded(now - pending.arrival_s))
         return [p for p in waiting if p.deadline_s > now]
 
-    def _record_dispatch(self, batch: Sequence[Pending], plan: BatchPlan) -> None:
+    def _record_dispatch(self, lane: _LaneState, batch: Sequence[Pending], plan: BatchPlan) -> None:
         now = self.clock.now()
+        metrics = lane.metrics
         for pending in batch:
-            self.metrics.queue_wait.observe(now - pending.arrival_s)
-        self.metrics.real_tokens.inc(plan.real_tokens)
-        self.metrics.padded_tokens.inc(plan.padded_tokens)
+            metrics.queue_wait.observe(now - pending.arrival_s)
+        metrics.real_tokens.inc(plan.real_tokens)
+        metrics.padded_tokens.inc(plan.padded_tokens)
         if plan.real_tokens:
-            self.metrics.padding_ratio.observe(plan.padded_tokens / plan.real_tokens)
+            metrics.padding_ratio.observe(plan.padded_tokens / plan.real_tokens)
 
-    async def _run(self, batch: Sequence[Pending]) -> None:
+    async def _run(self, lane: _LaneState, batch: Sequence[Pending]) -> None:
         """Run ``batch``; on OOM split it in two and run each half, down to one item."""
         live = [p for p in batch if not p.cancelled]
         if len(live) < len(batch):
@@ -238,9 +308,9 @@ class Batcher:
         if not live:
             return
         padded_len = max(p.cost for p in live)
-        self.metrics.batch_size.observe(len(live))
-        self.metrics.batch_tokens.observe(len(live) * padded_len)
-        predicted = self._record_prediction(len(live), padded_len)
+        lane.metrics.batch_size.observe(len(live))
+        lane.metrics.batch_tokens.observe(len(live) * padded_len)
+        predicted = self._record_prediction(lane, len(live), padded_len)
         started = self.clock.now()
         self.num_batches += 1
         for pending in live:
@@ -249,26 +319,26 @@ class Batcher:
             pending.batch = (self.num_batches, len(live))
         try:
             outputs, peak = await self._model_thread.call(
-                self._measured_forward, [p.item for p in live]
+                self._measured_forward, lane.forward, [p.item for p in live]
             )
         except self._oom_errors as exc:
-            self.sizer.on_oom(len(live), padded_len)
+            lane.sizer.on_oom(len(live), padded_len)
             if len(live) == 1 or not self.config.oom_split:
-                self._count_oom("failed")
+                self._count_oom(lane, "failed")
                 log.warning("batch of %d x %d tokens does not fit in memory", len(live), padded_len)
                 for pending in live:
                     message = _oom_message(pending, exc, len(live), predicted)
                     error = OutOfMemory(message, _needed_bytes(exc))
                     _fail(pending, error)
                 return
-            self._count_oom("split")
+            self._count_oom(lane, "split")
             first, second = split(live)
             log.info("batch of %d x %d tokens ran out of memory; splitting", len(live), padded_len)
-            await self._run(first)
-            await self._run(second)
+            await self._run(lane, first)
+            await self._run(lane, second)
             return
         except Exception as exc:
-            self.metrics.batch_failures.inc()
+            lane.metrics.batch_failures.inc()
             if isinstance(exc, self._fatal_errors):
                 self.healthy = False
                 log.error("device error; marking the replica not ready: %s", exc)
@@ -278,7 +348,7 @@ class Batcher:
                 _fail(pending, InferenceFailed("inference failed"))
             return
         elapsed = self.clock.now() - started
-        self.metrics.batch_duration.observe(elapsed)
+        lane.metrics.batch_duration.observe(elapsed)
         if len(outputs) != len(live):
             log.error("model returned %d outputs for %d inputs", len(outputs), len(live))
             for pending in live:
@@ -294,35 +364,36 @@ class Batcher:
             self.metrics.cancelled.labels("running").inc(orphans)
         # NOTE: after the futures: a refit of the time model (every few batches, a few
         # least-squares fits on the event loop) must not delay this batch's answers.
-        self.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
-        if self.time_model is not None:
-            self.time_model.observe(len(live), padded_len, elapsed)
-        self._record_peak(predicted, peak)
+        lane.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
+        if lane.time_model is not None:
+            lane.time_model.observe(len(live), padded_len, elapsed)
+        self._record_peak(lane, predicted, peak)
 
-    def _record_prediction(self, num_items: int, padded_len: int) -> float | None:
-        budget = self._budget
+    def _record_prediction(self, lane: _LaneState, num_items: int, padded_len: int) -> float | None:
+        budget = lane.budget
         if budget is None or budget.predict_bytes is None:
             return None
         predicted = budget.predict_bytes(num_items, padded_len)
-        metrics = self._memory_metrics
+        metrics = lane.memory_metrics
         if metrics is not None:
             metrics.predicted_peak.set(predicted)
-            free = getattr(self.sizer, "last_free_bytes", None)
+            free = getattr(lane.sizer, "last_free_bytes", None)
             if free is not None:
                 metrics.headroom_bytes.set(free - predicted)
         return predicted
 
-    def _record_peak(self, predicted: float | None, peak: int | None) -> None:
-        metrics = self._memory_metrics
+    def _record_peak(self, lane: _LaneState, predicted: float | None, peak: int | None) -> None:
+        metrics = lane.memory_metrics
         if metrics is None or peak is None:
             return
         metrics.measured_peak.set(peak)
         if predicted:
             metrics.peak_ratio.observe(peak / predicted)
 
-    def _count_oom(self, outcome: str) -> None:
-        if self._memory_metrics is not None:
-            self._memory_metrics.oom_events.labels(outcome).inc()
+    def _count_oom(self, lane: _LaneState, outcome: str) -> None:
+        metrics = lane.memory_metrics
+        if metrics is not None:
+            (metrics.oom_split if outcome == "split" else metrics.oom_failed).inc()
 
     def _count_dropped(self, dropped: Sequence[Pending]) -> None:
         """Items whose request went away (disconnect, deadline) while they were queued."""

@@ -8,8 +8,17 @@ class BatchingError(Exception):
 
 
 class QueueFull(BatchingError):
-    def __init__(self, depth: int, capacity: int, retry_after_s: float) -> None:
-        super().__init__(f"queue is full ({depth} of {capacity} items waiting); retry later")
+    def __init__(
+        self, depth: int, capacity: int, retry_after_s: float, *, model: str | None = None
+    ) -> None:
+        if model is None:
+            message = f"queue is full ({depth} of {capacity} items waiting); retry later"
+        else:
+            message = (
+                f"model {model!r} holds its share of the queue ({depth} of {capacity} items "
+                "waiting); retry later"
+            )
+        super().__init__(message)
         self.retry_after_s = retry_after_s
 
 

@@ -1,7 +1,12 @@
-"""Prometheus metrics of the batching layer, on a registry passed in."""
+"""Prometheus metrics of the batching layer, on a registry passed in.
+
+What describes one model's batches carries a ``model`` label (``for_model`` binds it); what
+describes the shared queue and the device does not.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -20,6 +25,7 @@ def latency_buckets(max_s: float) -> tuple[float, ...]:
     return (*(b for b in LATENCY_BUCKETS_S if b < max_s), float(max_s))
 
 
+MODEL = ("model",)
 PADDING_RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0)
 
 
@@ -54,12 +60,14 @@ class BatchingMetrics:
             "Time an item waited from admission to the start of its batch; buckets up to "
             "--max-timeout-s.",
             buckets=latency_buckets(max_latency_s),
+            labelnames=MODEL,
             registry=registry,
         )
         self.batch_size = Histogram(
             "batchfit_batch_size",
             "Items per forward pass; powers of two up to --max-batch-size.",
             buckets=powers_of_two(max_batch_size),
+            labelnames=MODEL,
             registry=registry,
         )
         self.batch_tokens = Histogram(
@@ -67,33 +75,39 @@ class BatchingMetrics:
             "Padded tokens (items x longest) per forward pass; powers of two up to "
             "--max-batch-tokens.",
             buckets=powers_of_two(max_batch_tokens),
+            labelnames=MODEL,
             registry=registry,
         )
         self.batch_duration = Histogram(
             "batchfit_batch_duration_seconds",
             "Wall time of one forward pass on the model thread.",
             buckets=LATENCY_BUCKETS_S,
+            labelnames=MODEL,
             registry=registry,
         )
         self.real_tokens = Counter(
             "batchfit_batch_real_tokens",
             "Real (unpadded) tokens run through the model.",
+            labelnames=MODEL,
             registry=registry,
         )
         self.padded_tokens = Counter(
             "batchfit_batch_padded_tokens",
             "Padded tokens run through the model; divide by real tokens for the padding ratio.",
+            labelnames=MODEL,
             registry=registry,
         )
         self.padding_ratio = Histogram(
             "batchfit_batch_padding_ratio",
             "Padded over real tokens per forward pass (1 means no padding).",
             buckets=PADDING_RATIO_BUCKETS,
+            labelnames=MODEL,
             registry=registry,
         )
         self.batch_failures = Counter(
             "batchfit_batch_failures",
             "Forward passes that failed for a reason other than memory.",
+            labelnames=MODEL,
             registry=registry,
         )
         self.cancelled = Counter(
@@ -106,22 +120,71 @@ class BatchingMetrics:
         for stage in ("queued", "running"):
             self.cancelled.labels(stage)
         self.budget_items = Gauge(
-            "batchfit_batch_budget_items", "Item budget of the next batch.", registry=registry
+            "batchfit_batch_budget_items",
+            "Item budget of the next batch.",
+            labelnames=MODEL,
+            registry=registry,
         )
         self.budget_tokens = Gauge(
             "batchfit_batch_budget_tokens",
             "Padded-token budget of the next batch.",
+            labelnames=MODEL,
             registry=registry,
         )
 
+    def for_model(self, model: str) -> ModelBatchingMetrics:
+        """This model's series (created now, so they read 0 before its first batch)."""
+        return ModelBatchingMetrics(
+            queue_wait=self.queue_wait.labels(model),
+            batch_size=self.batch_size.labels(model),
+            batch_tokens=self.batch_tokens.labels(model),
+            batch_duration=self.batch_duration.labels(model),
+            real_tokens=self.real_tokens.labels(model),
+            padded_tokens=self.padded_tokens.labels(model),
+            padding_ratio=self.padding_ratio.labels(model),
+            batch_failures=self.batch_failures.labels(model),
+            budget_items=self.budget_items.labels(model),
+            budget_tokens=self.budget_tokens.labels(model),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelBatchingMetrics:
+    """One model's children of ``BatchingMetrics``."""
+
+    queue_wait: Histogram
+    batch_size: Histogram
+    batch_tokens: Histogram
+    batch_duration: Histogram
+    real_tokens: Counter
+    padded_tokens: Counter
+    padding_ratio: Histogram
+    batch_failures: Counter
+    budget_items: Gauge
+    budget_tokens: Gauge
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMemoryMetrics:
+    """One model's children of ``MemoryMetrics``."""
+
+    budget_bytes: Gauge
+    headroom_bytes: Gauge
+    predicted_peak: Gauge
+    measured_peak: Gauge
+    peak_ratio: Histogram
+    oom_split: Counter
+    oom_failed: Counter
+
 
 class MemoryMetrics:
-    """What the memory probes read and what the sizer predicted, per replica."""
+    """What the memory probes read (per device), and what each model's sizer predicted."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.budget_bytes = Gauge(
             "batchfit_batch_budget_bytes",
             "Predicted-peak budget of the next batch (free memory less headroom).",
+            labelnames=MODEL,
             registry=registry,
         )
         self.free_bytes = Gauge(
@@ -132,33 +195,35 @@ class MemoryMetrics:
         self.headroom_bytes = Gauge(
             "batchfit_memory_headroom_bytes",
             "Free memory left over the predicted peak at the last dispatch.",
+            labelnames=MODEL,
             registry=registry,
         )
         self.predicted_peak = Gauge(
             "batchfit_batch_predicted_peak_bytes",
             "Predicted peak memory of the last batch, above the memory in use before it.",
+            labelnames=MODEL,
             registry=registry,
         )
         self.measured_peak = Gauge(
             "batchfit_batch_measured_peak_bytes",
             "Measured peak memory of the last batch, above the memory in use before it.",
+            labelnames=MODEL,
             registry=registry,
         )
         self.peak_ratio = Histogram(
             "batchfit_batch_peak_ratio",
             "Measured over predicted peak per batch (below 1: the prediction was safe).",
             buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+            labelnames=MODEL,
             registry=registry,
         )
         self.oom_events = Counter(
             "batchfit_oom_events",
             "Forward passes that ran out of memory, by outcome: split (retried as two "
             "halves) or failed (a single input that does not fit; its request got 507).",
-            ["outcome"],
+            ["model", "outcome"],
             registry=registry,
         )
-        for outcome in ("split", "failed"):
-            self.oom_events.labels(outcome)
         self.device_used = Gauge(
             "batchfit_device_memory_used_bytes",
             "Device memory in use by all processes (NVML; 0 on CPU).",
@@ -211,3 +276,15 @@ class MemoryMetrics:
             self.limit.remove(self._limit_source)
         self._limit_source = limit.source
         self.limit.labels(limit.source).set(limit.limit_bytes)
+
+    def for_model(self, model: str) -> ModelMemoryMetrics:
+        """This model's series (created now, so they read 0 before its first batch)."""
+        return ModelMemoryMetrics(
+            budget_bytes=self.budget_bytes.labels(model),
+            headroom_bytes=self.headroom_bytes.labels(model),
+            predicted_peak=self.predicted_peak.labels(model),
+            measured_peak=self.measured_peak.labels(model),
+            peak_ratio=self.peak_ratio.labels(model),
+            oom_split=self.oom_events.labels(model, "split"),
+            oom_failed=self.oom_events.labels(model, "failed"),
+        )

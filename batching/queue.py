@@ -6,6 +6,10 @@ waited. Work that arrives more than ``d * priority_aging_s`` after an item ``d``
 it can never overtake that item, so however much high-priority work keeps coming, a low item
 waits at most for what arrived before it or within that window after it. FIFO within a
 priority holds (an older item has always aged at least as much).
+
+With several models, every entry carries its model's name; the capacity is shared, and
+``max_items_per_model`` (optional) caps what one model may hold, so that a flood to one model
+cannot fill the queue for the others.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class Pending:
     priority: int = 0
     request_id: str = ""
     index: int = 0
+    model: str = ""
+    """Which model runs this item; batch-mates always share it."""
     seq: int = field(default=0, init=False)
     started_s: float | None = field(default=None, init=False)
     """When its first forward pass started (set by the batcher; the queue wait ends here)."""
@@ -53,10 +59,20 @@ class RequestQueue:
     """Holds at most ``max_items`` live items; a full queue rejects a whole request at once."""
 
     def __init__(
-        self, max_items: int, *, retry_after_s: float = 1.0, priority_aging_s: float | None = None
+        self,
+        max_items: int,
+        *,
+        retry_after_s: float = 1.0,
+        priority_aging_s: float | None = None,
+        max_items_per_model: int | None = None,
     ) -> None:
         if max_items < 1:
             raise ValueError(f"max_items must be at least 1, got {max_items}")
+        if max_items_per_model is not None and not 1 <= max_items_per_model <= max_items:
+            raise ValueError(
+                f"max_items_per_model must be in [1, {max_items}], got {max_items_per_model}"
+            )
+        self.max_items_per_model = max_items_per_model
         if priority_aging_s is not None and not priority_aging_s > 0:
             raise ValueError(f"priority_aging_s must be positive, got {priority_aging_s}")
         self.priority_aging_s = priority_aging_s
@@ -76,6 +92,12 @@ class RequestQueue:
         self.purge()
         if len(self._items) + len(pendings) > self.max_items:
             raise QueueFull(len(self._items), self.max_items, self.retry_after_s)
+        share = self.max_items_per_model
+        if share is not None and pendings:
+            model = pendings[0].model
+            held = sum(1 for p in self._items if p.model == model)
+            if held + len(pendings) > share:
+                raise QueueFull(held, share, self.retry_after_s, model=model)
         for pending in pendings:
             pending.seq = next(self._seq)
             bisect.insort(self._items, pending, key=Pending.sort_key)
@@ -90,13 +112,18 @@ class RequestQueue:
                 self.on_drop(dropped)
         return dropped
 
-    def waiting(self, limit: int | None = None, *, now: float | None = None) -> list[Pending]:
-        """Live entries, highest priority first, FIFO within a priority.
+    def waiting(
+        self, limit: int | None = None, *, now: float | None = None, model: str | None = None
+    ) -> list[Pending]:
+        """Live entries, highest priority first, FIFO within a priority; only ``model``'s
+        when given.
 
         Given ``now`` (and aging), the order is by effective priority at ``now``.
         """
         self.purge()
         items = self._items
+        if model is not None:
+            items = [p for p in items if p.model == model]
         # Sorted by base priority, so the ends differ exactly when priorities are mixed.
         mixed = bool(items) and items[0].priority != items[-1].priority
         if now is not None and self.priority_aging_s and mixed:

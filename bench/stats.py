@@ -107,12 +107,13 @@ def _mean(before: Mapping[str, float], after: Mapping[str, float], histogram: st
 
 
 def parse_scrape(text: str) -> dict[str, float]:
-    """The unlabelled samples of a Prometheus text scrape, by name."""
+    """The samples of a Prometheus text scrape that have no labels but ``model``, by name,
+    summed over the models."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if not sample.labels:
-                values[sample.name] = sample.value
+            if not sample.labels.keys() - {"model"}:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
 
 

@@ -22,12 +22,12 @@ from .base import ArchitectureShape, Model
 from .custom import is_entry_point, load_entry_point
 from .errors import ModelLoadError
 from .quantization import check_quantize, module_bytes, quantize_int8
-from .text import TextModel, make_classifier_postprocess, mean_pool_normalize
+from .text import TextModel, make_classifier_postprocess, mean_pool_normalize, relevance_scores
 
 log = logging.getLogger(__name__)
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
-TASKS = ("auto", "embed", "classify")
+TASKS = ("auto", "embed", "classify", "rerank")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPES = ("auto", *_DTYPES)
 
@@ -116,7 +116,8 @@ def detect_task(config: PretrainedConfig, task: str) -> str:
         return task
     architectures = config.architectures or []
     if any(name.endswith("ForSequenceClassification") for name in architectures):
-        return "classify"
+        # A cross-encoder is a sequence classifier with one output: a relevance logit.
+        return "rerank" if int(getattr(config, "num_labels", 2)) == 1 else "classify"
     return "embed"
 
 
@@ -168,7 +169,7 @@ def load_model(spec: ModelSpec) -> Model:
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         task = detect_task(config, spec.task)
-        auto_class = AutoModelForSequenceClassification if task == "classify" else AutoModel
+        auto_class = AutoModel if task == "embed" else AutoModelForSequenceClassification
         module = auto_class.from_pretrained(
             path, dtype=dtype, use_safetensors=True, trust_remote_code=False
         )
@@ -185,7 +186,15 @@ def load_model(spec: ModelSpec) -> Model:
 
     model_limit = model_max_tokens(path, config, tokenizer.model_max_length)
     max_input_tokens = min(spec.max_input_tokens or model_limit, model_limit)
-    if task == "classify":
+    if task == "rerank":
+        if int(getattr(config, "num_labels", 1)) != 1:
+            raise ModelLoadError(
+                f"model {spec.model!r} has {config.num_labels} labels; a reranker (cross-encoder) "
+                "has exactly one"
+            )
+        postprocess = relevance_scores
+        output_dim = None
+    elif task == "classify":
         id2label = {int(k): str(v) for k, v in (config.id2label or {}).items()}
         postprocess = make_classifier_postprocess(id2label)
         output_dim = None

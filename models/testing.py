@@ -24,10 +24,16 @@ def tiny_bert_config(**overrides: object) -> BertConfig:
 
 
 def save_tiny_model(folder: Path, *, task: str = "embed", seed: int = 0, **config: object) -> Path:
-    """Write a BERT with random weights and the bundled tokenizer to ``folder``: tiny, unless
-    ``config`` overrides its shape (hidden_size, num_hidden_layers, ...)."""
+    """Write a BERT with random weights and the bundled tokenizer to ``folder``: an encoder
+    (embed), a three-label classifier (classify) or a one-label cross-encoder (rerank); tiny,
+    unless ``config`` overrides its shape (hidden_size, num_hidden_layers, ...)."""
     torch.manual_seed(seed)
-    if task == "classify":
+    if task == "rerank":
+        bert_config = tiny_bert_config(
+            num_labels=1, architectures=["BertForSequenceClassification"], **config
+        )
+        module = BertForSequenceClassification(bert_config)
+    elif task == "classify":
         bert_config = tiny_bert_config(
             num_labels=3,
             id2label={0: "negative", 1: "neutral", 2: "positive"},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,12 @@ def make_classifier_postprocess(id2label: dict[int, str]) -> Postprocess:
     return postprocess
 
 
+def relevance_scores(output: Any, attention_mask: torch.Tensor) -> list[Any]:
+    """A cross-encoder's one logit through a sigmoid, as sentence-transformers' CrossEncoder
+    scores a model with one label."""
+    return torch.sigmoid(output.logits.float()[:, 0]).tolist()
+
+
 class TextModel:
     """A transformers encoder behind the model contract.
 
@@ -68,7 +75,12 @@ class TextModel:
         self._pin_memory = device.type == "cuda"
         self._pad_token_id = pad_token_id
         self._postprocess = postprocess
-        self._accepts_token_type_ids = "token_type_ids" in module.forward.__code__.co_varnames
+        # NOTE: the signature, not ``forward.__code__``: transformers wraps ``forward`` in
+        # decorators whose code object takes only ``*args, **kwargs``, which silently dropped
+        # the segment ids of every pair.
+        self._accepts_token_type_ids = (
+            "token_type_ids" in inspect.signature(module.forward).parameters
+        )
         self._full = Tokenizer.from_str(tokenizer.to_str())
         self._full.no_truncation()
         self._full.no_padding()
@@ -100,6 +112,22 @@ class TextModel:
             items.append(Item(data=ids, cost=len(ids)))
         return items
 
+    def prepare_pairs(
+        self, query: str, documents: Sequence[str], *, truncate: bool = True
+    ) -> list[Item]:
+        """One item per (query, document) pair, encoded as the tokenizer encodes a pair (with
+        its separators and segment ids); truncation shortens the longer side first."""
+        tokenizer = self._truncating if truncate else self._full
+        encodings = tokenizer.encode_batch_fast([(query, document) for document in documents])
+        limit = self.info.max_input_tokens
+        items = []
+        for index, encoding in enumerate(encodings):
+            ids = encoding.ids
+            if len(ids) > limit:
+                raise InputTooLong(index, len(ids), limit)
+            items.append(Item(data=(ids, encoding.type_ids), cost=len(ids)))
+        return items
+
     def synthetic_items(self, num_items: int, length: int) -> list[Item]:
         length = max(2, min(length, self.info.max_input_tokens))
         # Any non-special id works; 1000 exists in every vocabulary we load.
@@ -108,19 +136,25 @@ class TextModel:
 
     def collate(
         self, items: Sequence[Item], *, pin_memory: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input ids and attention mask on the host, padded to the longest item."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Padded ids, attention mask and segment ids (non-zero only for pairs), on the host."""
         max_len = max(item.cost for item in items)
         shape = (len(items), max_len)
         input_ids = torch.full(shape, self._pad_token_id, dtype=torch.long, pin_memory=pin_memory)
         attention_mask = torch.zeros(shape, dtype=torch.long, pin_memory=pin_memory)
+        token_type_ids = torch.zeros(shape, dtype=torch.long, pin_memory=pin_memory)
         for row, item in enumerate(items):
-            input_ids[row, : item.cost] = torch.tensor(item.data, dtype=torch.long)
+            if isinstance(item.data, tuple):  # a pair: (ids, segment ids)
+                ids, type_ids = item.data
+                token_type_ids[row, : item.cost] = torch.tensor(type_ids, dtype=torch.long)
+            else:
+                ids = item.data
+            input_ids[row, : item.cost] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, : item.cost] = 1
-        return input_ids, attention_mask
+        return input_ids, attention_mask, token_type_ids
 
     def forward(self, items: Sequence[Item]) -> list[Any]:
-        input_ids, attention_mask = self.collate(items, pin_memory=self._pin_memory)
+        input_ids, attention_mask, token_type_ids = self.collate(items, pin_memory=self._pin_memory)
         error: BaseException | None = None
         try:
             with torch.inference_mode():
@@ -128,7 +162,9 @@ class TextModel:
                 attention_mask = attention_mask.to(self._device, non_blocking=self._pin_memory)
                 kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
                 if self._accepts_token_type_ids:
-                    kwargs["token_type_ids"] = torch.zeros_like(input_ids)
+                    kwargs["token_type_ids"] = token_type_ids.to(
+                        self._device, non_blocking=self._pin_memory
+                    )
                 output = self._module(**kwargs)
                 results = self._postprocess(output, attention_mask)
                 del output

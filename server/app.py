@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi_offline import FastAPIOffline
@@ -22,6 +22,7 @@ from .errors import install_error_handlers
 from .metrics_server import serve_metrics
 from .middleware import RequestContextMiddleware
 from .protocols import kserve_v2, openai
+from .rerank import router as rerank_router
 from .routes import metrics_response, router
 from .runtime import Runtime
 from .settings import Settings
@@ -37,6 +38,7 @@ def create_app(
     settings: Settings,
     *,
     model: Model | None = None,
+    models: Mapping[str, Model] | None = None,
     probe: MemoryProbe | None = None,
     clock: Clock | None = None,
     registry: CollectorRegistry | None = None,
@@ -52,6 +54,7 @@ def create_app(
         settings,
         registry=registry,
         model=model,
+        models=models,
         clock=clock,
         sizer=sizer,
         probe=probe,
@@ -106,6 +109,7 @@ def create_app(
     )  # fmt: skip
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(rerank_router)
     app.include_router(openai.router)
     app.include_router(kserve_v2.router)
     app.include_router(make_status_router(history))

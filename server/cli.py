@@ -46,6 +46,12 @@ def add_settings_flags(
                 flag, dest=name, action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS, help=field.description,
             )  # fmt: skip
+        elif typing.get_origin(annotation) is tuple:
+            parser.add_argument(
+                flag, dest=name, action="append", default=argparse.SUPPRESS,
+                help=f"{field.description} (repeatable; default: {','.join(field.default)})",
+                metavar="VALUE",
+            )  # fmt: skip
         else:
             parser.add_argument(
                 flag, dest=name, choices=choices, default=argparse.SUPPRESS,

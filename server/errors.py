@@ -34,6 +34,13 @@ def not_ready(message: str = "the model is not loaded and warmed up yet") -> Api
     return ApiError(503, "not_ready", message, retry_after_s=1)
 
 
+def model_not_found(name: str, served: list[str]) -> ApiError:
+    return ApiError(
+        404, "model_not_found",
+        f"model {name!r} is not served here; this replica serves {', '.join(map(repr, served))}",
+    )  # fmt: skip
+
+
 def draining(message: str = "this replica is shutting down; retry on another") -> ApiError:
     return ApiError(503, "draining", message, retry_after_s=1)
 

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from .errors import ApiError
-from .runtime import RequestTrace, Runtime
+from .runtime import ModelSlot, RequestTrace, Runtime
 
 
 class ClientDisconnected(Exception):
@@ -19,6 +19,23 @@ class ClientDisconnected(Exception):
 
 def runtime_of(request: Request) -> Runtime:
     return request.app.state.runtime
+
+
+def slot_for_task(
+    request: Request, model: str | None, tasks: tuple[str, ...], endpoint: str,
+    *, default_task: str | None = None,
+) -> ModelSlot:  # fmt: skip
+    """The model a request names (None: the default, or the first of ``default_task``),
+    refused with 400 ``wrong_task`` unless its task is one of ``tasks``."""
+    slot = runtime_of(request).slot(model, task=default_task)
+    request.state.model = slot.name  # the model label of the request's metrics
+    if slot.info.task not in tasks:
+        hint = "; rerankers answer POST /v1/rerank" if slot.info.task == "rerank" else ""
+        raise ApiError(
+            400, "wrong_task",
+            f"model {slot.name!r} does {slot.info.task}, which {endpoint} does not serve{hint}",
+        )  # fmt: skip
+    return slot
 
 
 def check_inputs(runtime: Runtime, inputs: Sequence[str], field: str = "inputs") -> None:
@@ -51,18 +68,23 @@ async def infer_for_request(
     truncate: bool = True,
     timeout_s: float | None = None,
     priority: int = 0,
+    model: str | None = None,
+    query: str | None = None,
 ) -> tuple[list[Any], int]:
-    """Queue the inputs (same queue, batcher and model thread as ``/v1/infer``) and wait,
-    dropping them if the client disconnects. Returns the outputs and the token count."""
+    """Queue the inputs for ``model`` (same queue, batcher and model thread as ``/v1/infer``)
+    and wait, dropping them if the client disconnects. Returns the outputs and the token
+    count. With ``query``, each input is a document scored against it (reranking)."""
     runtime = runtime_of(request)
     config = runtime.config
     timeout_s = min(timeout_s or config.default_timeout_s, config.max_timeout_s)
+    name = runtime.slot(model).name
+    request.state.model = name
     # Read by the access log once the request has been answered.
     request.state.trace = trace = RequestTrace()
     work = asyncio.ensure_future(
         runtime.infer(
             inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
-            priority=priority, trace=trace,
+            priority=priority, model=name, query=query, trace=trace,
         )
     )  # fmt: skip
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -82,8 +104,8 @@ async def infer_for_request(
         request.state.error_type = "client_disconnected"
         raise ClientDisconnected
     outputs, num_tokens = work.result()
-    runtime.metrics.inputs.inc(len(outputs))
-    runtime.metrics.input_tokens.inc(num_tokens)
+    runtime.metrics.inputs.labels(name).inc(len(outputs))
+    runtime.metrics.input_tokens.labels(name).inc(num_tokens)
     return outputs, num_tokens
 
 

@@ -24,15 +24,20 @@ class ServerMetrics:
         )
         self.request_duration = Histogram(
             "batchfit_request_duration_seconds",
-            "End-to-end request latency inside the replica; buckets up to --max-timeout-s.",
-            ["endpoint"],
+            "End-to-end request latency inside the replica, by endpoint and model (empty for "
+            "endpoints that run no model); buckets up to --max-timeout-s.",
+            ["endpoint", "model"],
             buckets=latency_buckets(max_latency_s),
             registry=registry,
         )
-        self.inputs = Counter("batchfit_inputs", "Inputs answered successfully.", registry=registry)
+        self.inputs = Counter(
+            "batchfit_inputs", "Inputs answered successfully, by model.", ["model"],
+            registry=registry,
+        )  # fmt: skip
         self.input_tokens = Counter(
-            "batchfit_input_tokens", "Tokens of inputs answered successfully.", registry=registry
-        )
+            "batchfit_input_tokens", "Tokens of inputs answered successfully, by model.",
+            ["model"], registry=registry,
+        )  # fmt: skip
         self.in_flight = Gauge(
             "batchfit_requests_in_flight", "Requests being handled now.", registry=registry
         )
@@ -52,6 +57,7 @@ class ServerMetrics:
         )
         self.model = Info(
             "batchfit_model",
-            "The model this replica serves: name, task, device and dtype.",
+            "The models this replica serves, one series each: name, task, device and dtype.",
+            ["model"],
             registry=registry,
         )

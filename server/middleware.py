@@ -17,7 +17,7 @@ from .metrics import ServerMetrics
 
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # Endpoints whose requests we count; anything else is "other" (keeps label cardinality low).
-COUNTED_ENDPOINTS = frozenset({"/v1/infer", "/v1/models", "/v1/embeddings"})
+COUNTED_ENDPOINTS = frozenset({"/v1/infer", "/v1/models", "/v1/embeddings", "/v1/rerank"})
 V2_INFER = "/v2/models/{name}/infer"
 REJECTION_REASON = {
     "overloaded": "queue_full",
@@ -136,7 +136,7 @@ class RequestContextMiddleware:
                 observe(record)
         if endpoint == "other":
             return
-        self.metrics.request_duration.labels(endpoint).observe(duration_s)
+        self.metrics.request_duration.labels(endpoint, state.get("model", "")).observe(duration_s)
         reason = REJECTION_REASON.get(error_type)
         if reason is not None:
             self.metrics.rejections.labels(reason).inc()

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.responses import Response
 
 from .errors import ApiError, draining, error_response, not_ready, request_id_of, to_api_error
-from .inference import ClientDisconnected, check_inputs, infer_for_request
+from .inference import ClientDisconnected, check_inputs, infer_for_request, slot_for_task
 from .runtime import Runtime
 from .schemas import ErrorBody, InferRequest, InferResponse, ModelList, Status
 
@@ -29,8 +29,9 @@ def _error_responses(descriptions: dict[int, str]) -> dict[int | str, dict[str, 
 
 ERROR_RESPONSES = _error_responses(
     {
-        400: "Unparsable body or empty input",
+        400: "Unparsable body, empty input, or a model of another task",
         401: "Missing or wrong API key (when the server requires one)",
+        404: "No model of that name is served (model_not_found)",
         413: "Body, input count or input length too large",
         415: "Body is not JSON",
         422: "Schema error",
@@ -99,6 +100,7 @@ async def infer(
     runtime = _runtime(request)
     config = runtime.config
     request_id = request_id_of(request)
+    slot = slot_for_task(request, body.model, ("embed", "classify"), "/v1/infer")
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     check_inputs(runtime, inputs)
     asked = [t for t in (body.timeout_s, x_timeout_s) if t is not None]
@@ -106,7 +108,7 @@ async def infer(
     try:
         outputs, num_tokens = await infer_for_request(
             request, inputs, request_id=request_id, truncate=body.truncate,
-            timeout_s=timeout_s, priority=body.priority,
+            timeout_s=timeout_s, priority=body.priority, model=slot.name,
         )  # fmt: skip
     except ClientDisconnected:
         return Response(status_code=499)
@@ -114,7 +116,7 @@ async def infer(
         return error_response(request, to_api_error(exc))
     return _json(
         {
-            "model": runtime.model.info.name if runtime.model else "",
+            "model": slot.name,
             "outputs": outputs,
             "usage": {"input_tokens": num_tokens},
             "request_id": request_id,
@@ -124,19 +126,11 @@ async def infer(
 
 @router.get("/v1/models", response_model=ModelList, responses=NOT_READY_RESPONSES)
 async def list_models(request: Request) -> Response:
+    """Every served model, the default (the one requests without a model run on) first."""
     runtime = _runtime(request)
-    if runtime.model is None:
+    if not runtime.slots:
         raise not_ready()
-    info = runtime.model.info
-    card = {
-        "name": info.name,
-        "task": info.task,
-        "device": info.device,
-        "dtype": info.dtype,
-        "max_input_tokens": info.max_input_tokens,
-        "output_dim": info.output_dim,
-    }
-    return _json({"models": [card]})
+    return _json({"models": [slot.card() for slot in runtime.slots.values()]})
 
 
 @router.get("/health/live", response_model=Status)

@@ -41,6 +41,11 @@ class InferRequest(BaseModel):
         "every priority_aging_s seconds (server setting), so work arriving more than "
         "d x priority_aging_s later never overtakes an item d levels below: no starvation.",
     )
+    model: str | None = Field(
+        None,
+        description="Which served model runs the inputs, by name as GET /v1/models lists it; "
+        "default: the first model the server was started with. Unknown: 404 model_not_found.",
+    )
 
 
 class Usage(BaseModel):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import ByteSize, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import ByteSize, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from batching import AdaptiveConfig, BatcherConfig
 from models import BUNDLED_MODEL, ModelSpec
+
+from .model_list import ModelEntry, model_specs, parse_models, split_list
 
 
 class Settings(BaseSettings):
@@ -18,13 +20,19 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="BATCHFIT_", frozen=True, extra="forbid")
 
-    model: str = Field(
-        BUNDLED_MODEL,
-        description="Model to serve: the bundled all-MiniLM-L6-v2, a local Hugging Face folder, "
-        "a hub name (safetensors only) or python:package.module:factory (a custom model).",
+    model: Annotated[tuple[str, ...], NoDecode] = Field(
+        (BUNDLED_MODEL,),
+        description="Model to serve, as [name=]source; repeat the flag (or separate with commas "
+        "in BATCHFIT_MODEL) to serve several, the first being the default. A source is the "
+        "bundled all-MiniLM-L6-v2, a local Hugging Face folder, a hub name (safetensors only) "
+        "or python:package.module:factory (a custom model); without name= a model serves "
+        "under its own name.",
     )
-    task: Literal["auto", "embed", "classify"] = Field(
-        "auto", description="embed (mean-pooled, normalised) or classify; auto reads the config."
+    task: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("auto",),
+        description="[name=]task: embed (mean-pooled, normalised), classify, rerank (a "
+        "cross-encoder) or auto, which reads the config (a one-label sequence classifier is a "
+        "reranker). A bare task applies to every model without a name=task of its own.",
     )
     device: str = Field("auto", description="cuda, cuda:N or cpu; auto picks CUDA if present.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
@@ -87,6 +95,14 @@ class Settings(BaseSettings):
     )
     max_queue_items: int = Field(
         1024, ge=1, description="Queue capacity in items; beyond it requests get 429."
+    )
+    max_queue_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="With several models: the most of the queue's capacity one model's items "
+        "may take (e.g. 0.5), so that a flood to one model cannot fill the queue for the "
+        "others; beyond it that model's requests get 429.",
     )
     max_inputs_per_request: int = Field(
         256, ge=1, description="Most inputs in one request; beyond it 413."
@@ -185,6 +201,16 @@ class Settings(BaseSettings):
             keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
         return tuple(keys)
 
+    @field_validator("model", "task", mode="before")
+    @classmethod
+    def _split_list(cls, value: object) -> object:
+        return split_list(value)
+
+    @model_validator(mode="after")
+    def _check_models(self) -> Settings:
+        parse_models(self.model, self.task)
+        return self
+
     @model_validator(mode="after")
     def _check_api_keys(self) -> Settings:
         if self.api_key is not None and not self.api_key.get_secret_value().strip():
@@ -213,10 +239,27 @@ class Settings(BaseSettings):
             raise ValueError(f"metrics_port ({self.metrics_port}) must differ from port")
         return self
 
+    def model_entries(self) -> list[ModelEntry]:
+        """The served models in order, the default first, each with its task."""
+        return parse_models(self.model, self.task)
+
+    def model_specs(self) -> list[tuple[str | None, ModelSpec]]:
+        """Each model's name (None: its own) and what to load."""
+        return model_specs(self.model_entries(), self.model_spec())
+
+    def max_items_per_model(self, num_models: int | None = None) -> int | None:
+        """What one model may hold of the queue (None: all of it), serving ``num_models``
+        (default: as many as ``model`` names)."""
+        if self.max_queue_share >= 1 or (num_models or len(self.model)) < 2:
+            return None
+        return max(1, int(self.max_queue_items * self.max_queue_share))
+
     def model_spec(self) -> ModelSpec:
+        """The default model's spec (the others differ only in source and task)."""
+        default = self.model_entries()[0]
         return ModelSpec(
-            model=self.model,
-            task=self.task,
+            model=default.source,
+            task=default.task,
             device=self.device,
             dtype=self.dtype,
             max_input_tokens=self.max_input_tokens,

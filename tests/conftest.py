@@ -8,6 +8,7 @@ from batching import (
     BatcherConfig,
     BatchingMetrics,
     FixedSizer,
+    Lane,
     MemoryMetrics,
     ModelThread,
     Pending,
@@ -34,20 +35,28 @@ def model_thread():
     thread.close()
 
 
+MODEL = "scripted"
+
+
 class BatcherHarness:
-    """A batcher over a scripted model, a fake clock and a pre-fillable queue."""
+    """A batcher over a scripted model (or several, by name in ``lanes``: name -> (model,
+    sizer)), a fake clock and a pre-fillable queue."""
 
     def __init__(self, *, model, clock, registry, model_thread, sizer=None, queue_items=1024,
-                 max_wait_s=0.005, probe=None, oom_split=True, plan_by_time=False):  # fmt: skip
+                 max_wait_s=0.005, probe=None, oom_split=True, plan_by_time=False, lanes=None,
+                 queue_items_per_model=None):  # fmt: skip
         self.model = model
         self.clock = clock
         self.registry = registry
-        self.queue = RequestQueue(queue_items)
+        self.queue = RequestQueue(queue_items, max_items_per_model=queue_items_per_model)
+        lanes = lanes or {MODEL: (model, sizer)}
         self.batcher = Batcher(
             queue=self.queue,
-            forward=model.forward,
+            lanes=[
+                Lane(name, m.forward, s or FixedSizer(max_items=32, max_tokens=10_000))
+                for name, (m, s) in lanes.items()
+            ],
             model_thread=model_thread,
-            sizer=sizer or FixedSizer(max_items=32, max_tokens=10_000),
             clock=clock,
             metrics=BatchingMetrics(registry, max_batch_size=32, max_batch_tokens=10_000),
             config=BatcherConfig(
@@ -59,7 +68,7 @@ class BatcherHarness:
             memory_metrics=MemoryMetrics(registry),
         )
 
-    def submit(self, texts, *, priority=0, timeout_s=60.0, request_id="r"):
+    def submit(self, texts, *, priority=0, timeout_s=60.0, request_id="r", model=MODEL):
         loop = asyncio.get_running_loop()
         now = self.clock.now()
         pendings = [
@@ -71,6 +80,7 @@ class BatcherHarness:
                 priority=priority,
                 request_id=request_id,
                 index=i,
+                model=model,
             )
             for i, text in enumerate(texts)
         ]
@@ -79,6 +89,10 @@ class BatcherHarness:
 
     def sample(self, name, labels=None):
         return self.registry.get_sample_value(name, labels or {})
+
+    def model_sample(self, name, labels=None, model=MODEL):
+        """A series of one model (the metrics that carry a ``model`` label)."""
+        return self.registry.get_sample_value(name, {"model": model, **(labels or {})})
 
 
 @pytest.fixture

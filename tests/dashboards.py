@@ -20,12 +20,13 @@ class PanelQuery:
     ref: str
     expr: str
 
-    def promql(self, *, window: str = "1m", instance: str = ".*") -> str:
+    def promql(self, *, window: str = "1m", instance: str = ".*", model: str = ".*") -> str:
         """The expression as Grafana would send it, with its variables filled in."""
         return (
             self.expr.replace("$__rate_interval", window)
             .replace("$__interval", window)
             .replace("$instance", instance)
+            .replace("$model", model)
         )
 
     def __str__(self) -> str:

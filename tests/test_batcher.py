@@ -16,8 +16,8 @@ async def test_prefilled_queue_runs_as_one_batch_in_order(harness_factory):
     assert await asyncio.wait_for(h.batcher.step(), TIMEOUT) == 10
     assert h.model.batch_sizes == [10]
     assert [p.future.result() for p in pendings] == [f"out:text {i}" for i in range(10)]
-    assert h.sample("batchfit_batch_size_count") == 1
-    assert h.sample("batchfit_batch_size_sum") == 10
+    assert h.model_sample("batchfit_batch_size_count") == 1
+    assert h.model_sample("batchfit_batch_size_sum") == 10
     assert h.sample("batchfit_queue_depth") == 0
 
 
@@ -110,7 +110,7 @@ async def test_model_error_fails_the_batch_and_the_loop_goes_on(harness_factory)
         with pytest.raises(InferenceFailed):
             p.future.result()
     assert h.batcher.healthy
-    assert h.sample("batchfit_batch_failures_total") == 1
+    assert h.model_sample("batchfit_batch_failures_total") == 1
     model.fail_with = None
     second = h.submit(["c"])
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
@@ -177,7 +177,9 @@ async def test_plans_by_time_once_the_model_is_fitted(harness_factory, clock):
     for shape in ([8], [8, 8], [30] * 3, [60], [12] * 4, [35, 35], [10] * 6, [60, 60]):
         h.submit([words[length] for length in shape])
         await asyncio.wait_for(h.batcher.step(), TIMEOUT)
-    assert h.batcher.time_model.coefficients == pytest.approx((0.013, 0.00025, 0), abs=1e-9)
+    assert h.batcher.lanes["scripted"].time_model.coefficients == pytest.approx(
+        (0.013, 0.00025, 0), abs=1e-9
+    )
     # Two passes (10-12, then 30-35) beat one pass of all five padded to 35.
     pendings = h.submit([words[length] for length in (10, 30, 12, 35, 10)])
     model.batch_sizes.clear()
@@ -192,12 +194,12 @@ async def test_answers_are_out_before_the_time_model_learns_from_the_batch(harne
     h = harness_factory(plan_by_time=True)
     pendings = h.submit(["a", "b b"])
     seen = []
-    observe = h.batcher.time_model.observe
+    observe = h.batcher.lanes["scripted"].time_model.observe
 
     def spy(*args):
         seen.append([p.future.done() for p in pendings])
         observe(*args)
 
-    h.batcher.time_model.observe = spy
+    h.batcher.lanes["scripted"].time_model.observe = spy
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
     assert seen == [[True, True]]

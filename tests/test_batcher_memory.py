@@ -25,8 +25,8 @@ async def test_split_sequence_metrics_and_cache_release(harness_factory):
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
     assert model.batch_sizes == [32, 16, 8, 8, 16, 8, 8]
     assert all(p.future.done() and not p.future.exception() for p in pendings)
-    assert sample(h, "batchfit_oom_events_total", outcome="split") == 3
-    assert sample(h, "batchfit_oom_events_total", outcome="failed") == 0
+    assert sample(h, "batchfit_oom_events_total", outcome="split", model="scripted") == 3
+    assert sample(h, "batchfit_oom_events_total", outcome="failed", model="scripted") == 0
     assert probe.released == 3  # the cache is emptied after every OOM
 
 
@@ -39,7 +39,7 @@ async def test_without_splitting_an_oom_fails_the_whole_batch(harness_factory):
     for p in pendings:
         with pytest.raises(OutOfMemory, match="in a batch of 4"):
             p.future.result()
-    assert sample(h, "batchfit_oom_events_total", outcome="failed") == 1
+    assert sample(h, "batchfit_oom_events_total", outcome="failed", model="scripted") == 1
 
 
 async def test_the_binding_limit_is_one_gauge_series_labelled_by_its_source(harness_factory):
@@ -71,10 +71,14 @@ async def test_adaptive_budget_follows_free_memory(harness_factory):
     probe.free_bytes = 4 * 2**20  # someone else took memory: the next batch shrinks
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
     assert model.batch_sizes == [9, 3]
-    assert sample(h, "batchfit_batch_budget_bytes") == pytest.approx(0.9 * 4 * 2**20)
+    assert sample(h, "batchfit_batch_budget_bytes", model="scripted") == pytest.approx(
+        0.9 * 4 * 2**20
+    )
     assert sample(h, "batchfit_memory_free_bytes") == 4 * 2**20
-    assert sample(h, "batchfit_batch_predicted_peak_bytes") == pytest.approx(3 * 2**20)
-    assert sample(h, "batchfit_memory_headroom_bytes") == pytest.approx(2**20)
+    assert sample(h, "batchfit_batch_predicted_peak_bytes", model="scripted") == pytest.approx(
+        3 * 2**20
+    )
+    assert sample(h, "batchfit_memory_headroom_bytes", model="scripted") == pytest.approx(2**20)
 
 
 class OomAbove:

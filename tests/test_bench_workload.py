@@ -69,3 +69,12 @@ def test_bad_specs_are_refused(kwargs):
 def test_bad_arrival_rate_is_refused():
     with pytest.raises(ValueError):
         arrival_times(WorkloadSpec(), rate_per_s=0, duration_s=1)
+
+
+def test_multi_model_workload_is_seeded_and_reaches_both_models():
+    from bench.multi_model import CLASSIFIER, EMBEDDER, mixed_workload
+
+    first, again = mixed_workload(50, seed=3, long_share=0.2), mixed_workload(50, 3, 0.2)
+    assert first == again
+    assert {model for model, _ in first} == {EMBEDDER, CLASSIFIER}
+    assert all(1 <= len(inputs) <= 4 for _, inputs in first)

@@ -129,3 +129,32 @@ def test_prometheus_scrapes_each_replica_metrics_port_directly():
     targets = [t for group in jobs["batchfit"]["static_configs"] for t in group["targets"]]
     assert targets == ["replica-0:8001", "replica-1:8001"]
     assert not any("nginx" in t for t in targets)
+
+
+def per_model_series() -> set[str]:
+    """Names of the series that carry a ``model`` label, as a started replica exports them."""
+    registry = CollectorRegistry()
+    runtime = create_app(Settings(), model=ScriptedModel(), registry=registry).state.runtime
+    runtime.batching_metrics.for_model("m")
+    runtime.memory_metrics.for_model("m")
+    runtime.metrics.inputs.labels("m")
+    runtime.metrics.input_tokens.labels("m")
+    runtime.metrics.request_duration.labels("/v1/infer", "m")
+    runtime.metrics.model.labels("m").info({"name": "m"})
+    return {
+        sample.name for family in registry.collect() for sample in family.samples
+        if "model" in sample.labels
+    }  # fmt: skip
+
+
+def test_the_model_variable_filters_every_per_model_series():
+    dashboard = load(GRAFANA / "dashboards" / "batchfit.json")
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert list(variables) == ["instance", "model"]
+    assert variables["model"]["query"]["query"] == "label_values(batchfit_model_info, model)"
+    labelled = per_model_series()
+    assert {"batchfit_queue_wait_seconds_bucket", "batchfit_batch_budget_bytes"} <= labelled
+    for query in all_panel_queries():
+        for name, selector in re.findall(r"\b(batchfit_[a-z_]+)\{([^}]*)\}", query.expr):
+            wants_model = name in labelled
+            assert ('model=~"$model"' in selector) is wants_model, f"{query}: {name}{{{selector}}}"

@@ -90,7 +90,13 @@ async def test_models_endpoint_and_info_metric_report_the_dtype_used(tiny_folder
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             card = (await client.get("/v1/models")).json()["models"][0]
         assert card["dtype"] == "float32"
-        labels = {"name": tiny_folder.name, "task": "embed", "device": "cpu", "dtype": "float32"}
+        labels = {
+            "model": tiny_folder.name,
+            "name": tiny_folder.name,
+            "task": "embed",
+            "device": "cpu",
+            "dtype": "float32",
+        }
         assert registry.get_sample_value("batchfit_model_info", labels) == 1
     finally:
         await runtime.stop()
@@ -104,8 +110,8 @@ def test_inputs_travel_pinned_and_non_blocking_to_a_cuda_device(tiny_folder, cud
         device.copies.clear()  # the weights' move at load
         out = np.stack(model.forward(model.prepare(TEXTS, truncate=True)))
     longest = max(item.cost for item in model.prepare(TEXTS, truncate=True))
-    # Input ids and attention mask: both pinned, both copied without blocking.
-    assert device.copies == [((3, longest), True, True), ((3, longest), True, True)]
+    # Input ids, attention mask and segment ids: all pinned, all copied without blocking.
+    assert device.copies == [((3, longest), True, True)] * 3
     np.testing.assert_allclose(out, expected, atol=1e-6)
 
 

@@ -104,3 +104,14 @@ def test_restart_backoff_doubles_caps_and_resets(previous_s, uptime_s, expected_
     assert next_backoff(previous_s, uptime_s, first_s=1.0, max_s=30.0, reset_after_s=60.0) == (
         expected_s
     )
+
+
+def test_repeated_model_flags_reach_every_replica():
+    given = up_args("--model", "e=all-MiniLM-L6-v2", "--model", "rr=/m/ce", "--task", "rr=rerank")
+    replica = {k: v for k, v in given.items() if k in Settings.model_fields}
+    argv = passthrough_argv(replica)
+    assert argv == ["--model", "e=all-MiniLM-L6-v2", "--model", "rr=/m/ce", "--task", "rr=rerank"]
+    serve = vars(build_parser().parse_args(["serve", *argv]))
+    assert Settings(**{k: v for k, v in serve.items() if k in Settings.model_fields}).model == (
+        "e=all-MiniLM-L6-v2", "rr=/m/ce",
+    )  # fmt: skip

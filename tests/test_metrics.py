@@ -20,13 +20,18 @@ from tests.servers import free_port
 TIMEOUT = 10
 LOW_CARDINALITY_LABELS = {
     "endpoint", "code", "error_type", "reason", "stage", "outcome", "le", "name", "task",
-    "device", "dtype",
+    "device", "dtype", "model",
 }  # fmt: skip
 
 
 def full_registry(**settings) -> CollectorRegistry:
+    """Every metric, with the model's series as the batcher creates them at start-up."""
     registry = CollectorRegistry()
-    create_app(Settings(**settings), model=ScriptedModel(), registry=registry)
+    runtime = create_app(
+        Settings(**settings), model=ScriptedModel(), registry=registry
+    ).state.runtime
+    runtime.batching_metrics.for_model("scripted")
+    runtime.memory_metrics.for_model("scripted")
     return registry
 
 
@@ -93,8 +98,11 @@ def test_labelled_counters_start_at_zero_for_every_known_value():
         assert registry.get_sample_value("batchfit_rejections_total", {"reason": reason}) == 0
     for stage in ("queued", "running"):
         assert registry.get_sample_value("batchfit_cancelled_items_total", {"stage": stage}) == 0
+    # A model's series exist (at 0) from the moment the batcher takes it on.
+    MemoryMetrics(registry := CollectorRegistry()).for_model("m")
     for outcome in ("split", "failed"):
-        assert registry.get_sample_value("batchfit_oom_events_total", {"outcome": outcome}) == 0
+        labels = {"outcome": outcome, "model": "m"}
+        assert registry.get_sample_value("batchfit_oom_events_total", labels) == 0
 
 
 @pytest.mark.parametrize(
@@ -130,8 +138,9 @@ def test_latency_buckets_end_at_the_longest_deadline(max_s, expected_tail):
 
 def test_request_duration_buckets_follow_max_timeout():
     registry = CollectorRegistry()
-    ServerMetrics(registry, max_latency_s=600).request_duration.labels("/v1/infer").observe(450)
-    labels = {"endpoint": "/v1/infer"}
+    metrics = ServerMetrics(registry, max_latency_s=600)
+    metrics.request_duration.labels("/v1/infer", "m").observe(450)
+    labels = {"endpoint": "/v1/infer", "model": "m"}
     assert registry.get_sample_value(
         "batchfit_request_duration_seconds_bucket", {**labels, "le": "300.0"}
     ) == 0  # fmt: skip
@@ -160,12 +169,12 @@ async def test_padding_ratio_and_tokens_per_batch(harness_factory):
     # costs 3 and 7: padded 2 x 7 = 14, real 10
     h.submit(["a", "b c d e f"])
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
-    assert h.sample("batchfit_batch_real_tokens_total") == 10
-    assert h.sample("batchfit_batch_padded_tokens_total") == 14
-    assert h.sample("batchfit_batch_padding_ratio_count") == 1
-    assert h.sample("batchfit_batch_padding_ratio_sum") == pytest.approx(1.4)
-    assert h.sample("batchfit_batch_padding_ratio_bucket", {"le": "1.25"}) == 0
-    assert h.sample("batchfit_batch_padding_ratio_bucket", {"le": "1.5"}) == 1
+    assert h.model_sample("batchfit_batch_real_tokens_total") == 10
+    assert h.model_sample("batchfit_batch_padded_tokens_total") == 14
+    assert h.model_sample("batchfit_batch_padding_ratio_count") == 1
+    assert h.model_sample("batchfit_batch_padding_ratio_sum") == pytest.approx(1.4)
+    assert h.model_sample("batchfit_batch_padding_ratio_bucket", {"le": "1.25"}) == 0
+    assert h.model_sample("batchfit_batch_padding_ratio_bucket", {"le": "1.5"}) == 1
 
 
 async def test_items_dropped_while_queued_count_as_cancelled_queued(harness_factory):

@@ -160,3 +160,42 @@ def test_real_cpu_allocation_failure_becomes_model_out_of_memory(tiny_embedder):
         except Exception as exc:
             raise translate_error(exc) from None
     assert info.value.requested_bytes == 2**62
+
+
+@pytest.fixture(scope="module")
+def tiny_reranker_folder(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-rerank"), task="rerank")
+
+
+def test_auto_task_picks_rerank_for_a_one_label_classifier(tiny_reranker_folder):
+    model = load_model(ModelSpec(model=str(tiny_reranker_folder), device="cpu"))
+    assert model.info.task == "rerank"
+    with pytest.raises(ModelLoadError, match="3 labels"):
+        folder = save_tiny_model(tiny_reranker_folder.parent / "three", task="classify")
+        load_model(ModelSpec(model=str(folder), device="cpu", task="rerank"))
+
+
+def test_pair_scores_match_transformers_with_a_sigmoid(tiny_reranker_folder):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = load_model(ModelSpec(model=str(tiny_reranker_folder), device="cpu"))
+    query = "what do cats eat"
+    documents = ["cats eat fish", "the stock market fell", "word " * 400, "mice, mostly"]
+    items = model.prepare_pairs(query, documents)
+    limit = model.info.max_input_tokens
+    # The cost is the pair's length as the tokenizer truncates pairs.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_reranker_folder)
+    encoded = tokenizer([query] * 4, documents, truncation=True, max_length=limit)
+    assert [item.cost for item in items] == [len(ids) for ids in encoded["input_ids"]]
+    assert items[2].cost == limit
+    scores = model.forward(items)
+    reference = AutoModelForSequenceClassification.from_pretrained(tiny_reranker_folder).eval()
+    batch = tokenizer(
+        [query] * 4, documents, truncation=True, max_length=limit, padding=True,
+        return_tensors="pt",
+    )  # fmt: skip
+    with torch.inference_mode():
+        expected = torch.sigmoid(reference(**batch).logits[:, 0]).tolist()
+    assert scores == pytest.approx(expected, abs=1e-5)
+    # Segment ids matter: the same pair scored as one sequence (all zeros) differs.
+    assert any(item.data[1][-1] == 1 for item in items)

@@ -52,7 +52,9 @@ def test_every_field_has_a_flag():
         ("max_batch_size", 0, "greater than or equal to 1"),
         ("port", 70000, "less than or equal to 65535"),
         ("max_wait_ms", -1, "greater than or equal to 0"),
-        ("task", "translate", "'auto', 'embed' or 'classify'"),
+        ("task", "translate", "auto|embed|classify|rerank"),
+        ("model", "a=x,a=y", "the name 'a' is given twice"),
+        ("task", "b=embed", r"task for \['b'\], which no --model names"),
     ],
 )
 def test_bad_values_are_refused_with_the_value_shown(field, value, message):
@@ -100,3 +102,36 @@ def test_every_plan_flag_changes_what_the_plan_is_built_from():
         changed = Settings(**{name: value})
         built = (changed.model_spec(), changed.adaptive_config(), changed.memory_limit)
         assert built != (base.model_spec(), base.adaptive_config(), base.memory_limit), name
+
+
+def test_several_models_by_flag_with_names_and_tasks():
+    args = build_parser().parse_args(
+        ["serve", "--model", "all-MiniLM-L6-v2", "--model", "rr=/models/ce", "--model",
+         "clf=/models/clf", "--task", "rr=rerank", "--task", "classify"]
+    )  # fmt: skip
+    entries = settings_from_args(args).model_entries()
+    assert [(e.name, e.source, e.task) for e in entries] == [
+        (None, "all-MiniLM-L6-v2", "classify"),  # a bare task applies to the unnamed ones
+        ("rr", "/models/ce", "rerank"),
+        ("clf", "/models/clf", "classify"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "value", ["e=all-MiniLM-L6-v2, rr=/models/ce", '["e=all-MiniLM-L6-v2", "rr=/models/ce"]']
+)
+def test_several_models_by_environment(monkeypatch, value):
+    monkeypatch.setenv("BATCHFIT_MODEL", value)
+    monkeypatch.setenv("BATCHFIT_TASK", "rr=rerank")
+    specs = Settings().model_specs()
+    assert [(name, spec.model, spec.task) for name, spec in specs] == [
+        ("e", "all-MiniLM-L6-v2", "auto"),
+        ("rr", "/models/ce", "rerank"),
+    ]
+
+
+def test_queue_share_applies_only_with_several_models():
+    assert Settings(max_queue_items=100, max_queue_share=0.5).max_items_per_model() is None
+    two = Settings(model="a=x,b=y", max_queue_items=100, max_queue_share=0.5)
+    assert two.max_items_per_model() == 50
+    assert Settings(model="a=x,b=y").max_items_per_model() is None

@@ -49,13 +49,13 @@ def test_a_sample_sums_up_its_interval(registry):
     history.observe(_record(status=429, duration_s=5.0))
     history.observe(_record(endpoint="other", duration_s=9.0))  # not an inference request
     for size, tokens in ((4, 64), (8, 256)):
-        batching.batch_size.observe(size)
-        batching.batch_tokens.observe(tokens)
-    memory.oom_events.labels("split").inc(3)
-    memory.oom_events.labels("failed").inc()
+        batching.batch_size.labels("a").observe(size)
+        batching.batch_tokens.labels("a").observe(tokens)
+    memory.oom_events.labels("a", "split").inc(3)
+    memory.oom_events.labels("a", "failed").inc()
     memory.free_bytes.set(1000)
-    memory.budget_bytes.set(800)
-    memory.measured_peak.set(300)
+    memory.budget_bytes.labels("a").set(800)
+    memory.measured_peak.labels("a").set(300)
     depth[0] = 5
     sample = history.sample(wall_s=102.0, mono_s=52.0)
     assert tuple(sample) == SAMPLE_FIELDS
@@ -69,6 +69,21 @@ def test_a_sample_sums_up_its_interval(registry):
     assert quiet["requests_per_s"] == 0 and quiet["latency_p50_ms"] is None
     assert quiet["batches"] == 0 and quiet["batch_size"] is None
     assert quiet["oom_splits_total"] == 3
+
+
+def test_with_several_models_counters_add_up_and_gauges_read_the_largest(registry):
+    batching = BatchingMetrics(registry, max_batch_size=32, max_batch_tokens=4096)
+    memory = MemoryMetrics(registry)
+    history = StatusHistory(registry, queue_depth=lambda: 0, window_s=10)
+    history.sample(wall_s=100.0, mono_s=50.0)
+    for model, size, peak in (("a", 4, 300), ("b", 2, 700)):
+        batching.batch_size.labels(model).observe(size)
+        batching.batch_tokens.labels(model).observe(size * 10)
+        memory.oom_events.labels(model, "split").inc()
+        memory.measured_peak.labels(model).set(peak)
+    sample = history.sample(wall_s=101.0, mono_s=51.0)
+    assert (sample["batches"], sample["batch_size"], sample["padded_tokens"]) == (2, 3.0, 30.0)
+    assert (sample["oom_splits_total"], sample["measured_peak_bytes"]) == (2, 700)
 
 
 def test_the_ring_buffer_keeps_the_window_and_answers_since(registry):

@@ -18,6 +18,8 @@ DASHBOARDS = Path(__file__).resolve().parent / "dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 # Grafana fills these in; tests substitute them before asking Prometheus.
 SEL = 'instance=~"$instance"'
+# Series of one model (batching, latency, memory prediction) also follow the model variable.
+MSEL = f'{SEL},model=~"$model"'
 WINDOW = "$__rate_interval"
 API = f'endpoint!="other",{SEL}'  # the API endpoints, not health checks or scrapes
 
@@ -62,7 +64,7 @@ def heatmap(title: str, metric: str, description: str) -> Panel:
         },
         "targets": [
             target(
-                f"sum by (le) (increase({metric}_bucket{{{SEL}}}[{WINDOW}]))",
+                f"sum by (le) (increase({metric}_bucket{{{MSEL}}}[{WINDOW}]))",
                 "{{le}}",
                 "A",
                 format="heatmap",
@@ -72,7 +74,7 @@ def heatmap(title: str, metric: str, description: str) -> Panel:
 
 
 def quantiles(metric: str, labels: str, by: str = "le") -> list[tuple[str, str]]:
-    prefix = "{{instance}} " if "instance" in by else ""
+    prefix = "".join(f"{{{{{label}}}}} " for label in ("instance", "model") if label in by)
     return [
         (
             f"histogram_quantile({q}, sum by ({by}) (rate({metric}_bucket{{{labels}}}[{WINDOW}])))",
@@ -87,7 +89,7 @@ def ratio(numerator: str, denominator: str) -> str:
 
 
 def latency_row() -> list[Panel]:
-    infer = f'endpoint="/v1/infer",{SEL}'
+    infer = f'endpoint="/v1/infer",{MSEL}'
     return [
         timeseries(
             "Request latency, fleet (p50 / p95 / p99)", "s",
@@ -101,13 +103,27 @@ def latency_row() -> list[Panel]:
         ),
         timeseries(
             "Queue wait (p50 / p95 / p99)", "s",
-            quantiles("batchfit_queue_wait_seconds", SEL),
+            quantiles("batchfit_queue_wait_seconds", MSEL),
             description="From admission to the start of the item's batch.",
         ),
         timeseries(
             "Batch execution time (p50 / p95 / p99)", "s",
-            quantiles("batchfit_batch_duration_seconds", SEL),
+            quantiles("batchfit_batch_duration_seconds", MSEL),
             description="Wall time of one forward pass on the model thread.",
+        ),
+        timeseries(
+            "Queue wait per model (p99)", "s",
+            [(f"histogram_quantile(0.99, sum by (le, model) "
+              f"(rate(batchfit_queue_wait_seconds_bucket{{{MSEL}}}[{WINDOW}])))", "{{model}}")],
+            description="Models on one replica share its queue and model thread: the oldest "
+            "waiting item runs next, whatever its model, so a flood to one model shows here "
+            "as a longer wait for the others only up to the flood's queue share.",
+        ),
+        timeseries(
+            "Batch execution time per model (p50)", "s",
+            [(f"histogram_quantile(0.5, sum by (le, model) "
+              f"(rate(batchfit_batch_duration_seconds_bucket{{{MSEL}}}[{WINDOW}])))",
+              "{{model}}")],
         ),
     ]  # fmt: skip
 
@@ -144,8 +160,10 @@ def throughput_row() -> list[Panel]:
         timeseries(
             "Inputs and tokens per second", "short",
             [
-                (f"sum(rate(batchfit_inputs_total{{{SEL}}}[{WINDOW}]))", "inputs/s"),
-                (f"sum(rate(batchfit_input_tokens_total{{{SEL}}}[{WINDOW}]))", "tokens/s"),
+                (f"sum by (model) (rate(batchfit_inputs_total{{{MSEL}}}[{WINDOW}]))",
+                 "{{model}} inputs/s"),
+                (f"sum by (model) (rate(batchfit_input_tokens_total{{{MSEL}}}[{WINDOW}]))",
+                 "{{model}} tokens/s"),
             ],
         ),
         timeseries(
@@ -168,8 +186,8 @@ def throughput_row() -> list[Panel]:
             [
                 (f"batchfit_ready{{{SEL}}}", "{{instance}} ready"),
                 (f"batchfit_draining{{{SEL}}}", "{{instance}} draining"),
-                (f"batchfit_model_info{{{SEL}}}",
-                 "{{instance}} {{name}} on {{device}} ({{dtype}})"),
+                (f"batchfit_model_info{{{MSEL}}}",
+                 "{{instance}} {{model}}: {{task}} on {{device}} ({{dtype}})"),
             ],
         ),
     ]  # fmt: skip
@@ -180,11 +198,11 @@ def batching_row() -> list[Panel]:
         timeseries(
             "Mean batch size", "short",
             [
-                (ratio(f"batchfit_batch_size_sum{{{SEL}}}", f"batchfit_batch_size_count{{{SEL}}}"),
-                 "fleet"),
-                (f"sum by (instance) (rate(batchfit_batch_size_sum{{{SEL}}}[{WINDOW}])) / "
-                 f"sum by (instance) (rate(batchfit_batch_size_count{{{SEL}}}[{WINDOW}]))",
-                 "{{instance}}"),
+                (ratio(f"batchfit_batch_size_sum{{{MSEL}}}",
+                       f"batchfit_batch_size_count{{{MSEL}}}"), "fleet"),
+                (f"sum by (instance, model) (rate(batchfit_batch_size_sum{{{MSEL}}}[{WINDOW}])) / "
+                 f"sum by (instance, model) (rate(batchfit_batch_size_count{{{MSEL}}}"
+                 f"[{WINDOW}]))", "{{instance}} {{model}}"),
             ],
         ),
         heatmap("Batch size", "batchfit_batch_size", "Items per forward pass (powers of two)."),
@@ -195,29 +213,30 @@ def batching_row() -> list[Panel]:
         timeseries(
             "Padding ratio (padded / real tokens)", "short",
             [
-                (ratio(f"batchfit_batch_padded_tokens_total{{{SEL}}}",
-                       f"batchfit_batch_real_tokens_total{{{SEL}}}"), "mean"),
+                (ratio(f"batchfit_batch_padded_tokens_total{{{MSEL}}}",
+                       f"batchfit_batch_real_tokens_total{{{MSEL}}}"), "mean"),
                 (f"histogram_quantile(0.9, sum by (le) "
-                 f"(rate(batchfit_batch_padding_ratio_bucket{{{SEL}}}[{WINDOW}])))", "p90"),
+                 f"(rate(batchfit_batch_padding_ratio_bucket{{{MSEL}}}[{WINDOW}])))", "p90"),
             ],
             description="1 means no padding; the planner groups items of similar length.",
         ),
         timeseries(
             "Batch budget: items and tokens", "short",
             [
-                (f"batchfit_batch_budget_items{{{SEL}}}", "{{instance}} items"),
-                (f"batchfit_batch_budget_tokens{{{SEL}}}", "{{instance}} tokens"),
+                (f"batchfit_batch_budget_items{{{MSEL}}}", "{{instance}} {{model}} items"),
+                (f"batchfit_batch_budget_tokens{{{MSEL}}}", "{{instance}} {{model}} tokens"),
             ],
             description="The sizer's budget for the next batch.",
         ),
         timeseries(
             "Batch budget: bytes", "bytes",
-            [(f"batchfit_batch_budget_bytes{{{SEL}}}", "{{instance}}")],
-            description="Predicted-peak budget of the next batch: free memory less headroom.",
+            [(f"batchfit_batch_budget_bytes{{{MSEL}}}", "{{instance}} {{model}}")],
+            description="Predicted-peak budget of each model's next batch: the free memory "
+            "read just before it (which counts every model's weights) less headroom.",
         ),
         timeseries(
             "Failed batches", "short",
-            [(f"sum(rate(batchfit_batch_failures_total{{{SEL}}}[{WINDOW}]))", "failed/s")],
+            [(f"sum(rate(batchfit_batch_failures_total{{{MSEL}}}[{WINDOW}]))", "failed/s")],
             description="Forward passes that failed for a reason other than memory.",
         ),
     ]  # fmt: skip
@@ -253,8 +272,10 @@ def memory_row() -> list[Panel]:
         timeseries(
             "Batch peak: predicted vs measured", "bytes",
             [
-                (f"batchfit_batch_predicted_peak_bytes{{{SEL}}}", "{{instance}} predicted"),
-                (f"batchfit_batch_measured_peak_bytes{{{SEL}}}", "{{instance}} measured"),
+                (f"batchfit_batch_predicted_peak_bytes{{{MSEL}}}",
+                 "{{instance}} {{model}} predicted"),
+                (f"batchfit_batch_measured_peak_bytes{{{MSEL}}}",
+                 "{{instance}} {{model}} measured"),
             ],
             description="Above the memory in use before the batch. Measured above predicted "
             "means the sizer under-estimated.",
@@ -263,7 +284,7 @@ def memory_row() -> list[Panel]:
             "Measured / predicted peak (p50 / p99)", "short",
             [
                 (f"histogram_quantile({q}, sum by (le) "
-                 f"(rate(batchfit_batch_peak_ratio_bucket{{{SEL}}}[{WINDOW}])))", f"p{p}")
+                 f"(rate(batchfit_batch_peak_ratio_bucket{{{MSEL}}}[{WINDOW}])))", f"p{p}")
                 for q, p in ((0.5, 50), (0.99, 99))
             ],
             description="Below 1: the prediction was safe.",
@@ -271,13 +292,13 @@ def memory_row() -> list[Panel]:
         timeseries(
             "Headroom and free memory at dispatch", "bytes",
             [
-                (f"batchfit_memory_headroom_bytes{{{SEL}}}", "{{instance}} headroom"),
+                (f"batchfit_memory_headroom_bytes{{{MSEL}}}", "{{instance}} {{model}} headroom"),
                 (f"batchfit_memory_free_bytes{{{SEL}}}", "{{instance}} free"),
             ],
         ),
         timeseries(
             "OOM events by outcome (split / failed)", "short",
-            [(f"sum by (outcome) (increase(batchfit_oom_events_total{{{SEL}}}[{WINDOW}]))",
+            [(f"sum by (outcome) (increase(batchfit_oom_events_total{{{MSEL}}}[{WINDOW}]))",
               "{{outcome}}")],
             bars=True,
             description="split: the batch ran out of memory and was retried as two halves; "
@@ -341,7 +362,21 @@ def batchfit_dashboard() -> dict[str, Any]:
                     "allValue": ".*",
                     "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
                     "sort": 1,
-                }
+                },
+                {
+                    "name": "model",
+                    "label": "Model",
+                    "type": "query",
+                    "datasource": DATASOURCE,
+                    "query": {"query": "label_values(batchfit_model_info, model)", "refId": "A"},
+                    "definition": "label_values(batchfit_model_info, model)",
+                    "refresh": 2,
+                    "multi": True,
+                    "includeAll": True,
+                    "allValue": ".*",
+                    "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+                    "sort": 1,
+                },
             ]
         },
         "panels": layout(ROWS),

@@ -21,6 +21,7 @@ from models import ModelInfo
 
 from ..errors import ApiError, not_ready, request_id_of
 from ..inference import check_inputs, infer_for_request, runtime_of
+from ..runtime import ModelSlot
 from .kserve_schemas import (
     HEADER_LENGTH,
     REQUEST_BODY,
@@ -52,7 +53,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": V2Error, "description": description}
     for code, description in {
         400: "Bad request: body, tensor name, datatype, shape or parameters",
-        404: "No such model or version",
+        404: "No such model (model_not_found) or version",
         413: "Body, input count or input length too large",
         429: "Queue full; see Retry-After",
         503: "Not ready or draining; see Retry-After",
@@ -71,19 +72,17 @@ def _json(body: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status_code, media_type="application/json")
 
 
-def _model_info(request: Request, name: str, version: str | None = None) -> ModelInfo:
-    runtime = runtime_of(request)
-    if runtime.model is None:
-        raise not_ready()
-    info = runtime.model.info
-    if name != info.name:
-        raise ApiError(404, "not_found", f"model {name!r} is not served here; try {info.name!r}")
+def _slot(request: Request, name: str, version: str | None = None) -> ModelSlot:
+    slot = runtime_of(request).slot(name)  # 404 model_not_found for a name not served
+    request.state.model = slot.name
     if version is not None and version != MODEL_VERSION:
         raise ApiError(404, "not_found", f"model {name!r} has no version {version!r}")
-    return info
+    return slot
 
 
 def _outputs_of(info: ModelInfo) -> list[dict[str, Any]]:
+    if info.task == "rerank":  # listed in metadata; inference is POST /v1/rerank
+        return [{"name": "score", "datatype": "FP32", "shape": [-1]}]
     if info.task == "classify":
         return [
             {"name": "label", "datatype": "BYTES", "shape": [-1]},
@@ -133,8 +132,8 @@ async def model_ready(request: Request, name: str) -> Response:
 
 def _ready(request: Request, name: str, version: str | None) -> Response:
     ready = runtime_of(request).ready
-    info = _model_info(request, name, version)
-    return _json({"name": info.name, "ready": ready}, 200 if ready else 503)
+    slot = _slot(request, name, version)
+    return _json({"name": slot.name, "ready": ready}, 200 if ready else 503)
 
 
 @router.post(
@@ -156,9 +155,15 @@ async def model_infer(request: Request, name: str) -> Response:
 
 
 async def _infer(request: Request, name: str, version: str | None) -> Response:
-    info = _model_info(request, name, version)
+    slot = _slot(request, name, version)
+    info = slot.info
     if not runtime_of(request).ready:
         raise not_ready()
+    if info.task not in ("embed", "classify"):
+        raise ApiError(
+            400, "wrong_task",
+            f"{slot.name} is a {info.task} model; rerankers answer POST /v1/rerank",
+        )  # fmt: skip
     raw = await request.body()
     body, binary = _split_body(raw, request.headers.get(HEADER_LENGTH))
     try:
@@ -183,11 +188,12 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
                 400, "invalid_request", f"unknown output {output.name!r}; this model has {known}"
             )
     outputs, _ = await infer_for_request(
-        request, texts, request_id=request_id_of(request), truncate=truncate, timeout_s=timeout_s
-    )
+        request, texts, request_id=request_id_of(request), truncate=truncate,
+        timeout_s=timeout_s, model=slot.name,
+    )  # fmt: skip
     tensors = _output_tensors(info, outputs)
     wanted = _requested_outputs(infer_request, tensors, parameters)
-    return _response(info, infer_request.id, wanted)
+    return _response(slot.name, infer_request.id, wanted)
 
 
 def _split_body(raw: bytes, header_length: str | None) -> tuple[bytes, bytes]:
@@ -299,7 +305,7 @@ def _requested_outputs(
 
 
 def _response(
-    info: ModelInfo, request_id: str | None, outputs: list[tuple[str, str, np.ndarray, bool]]
+    model_name: str, request_id: str | None, outputs: list[tuple[str, str, np.ndarray, bool]]
 ) -> Response:
     tensors, chunks = [], []
     for name, kind, array, binary in outputs:
@@ -313,7 +319,7 @@ def _response(
         else:
             tensor["data"] = array.reshape(-1)
         tensors.append(tensor)
-    body: dict[str, Any] = {"model_name": info.name, "model_version": MODEL_VERSION}
+    body: dict[str, Any] = {"model_name": model_name, "model_version": MODEL_VERSION}
     if request_id is not None:
         body["id"] = request_id
     body["outputs"] = tensors
@@ -354,10 +360,11 @@ async def model_metadata(request: Request, name: str) -> Response:
 
 
 def _metadata(request: Request, name: str, version: str | None) -> Response:
-    info = _model_info(request, name, version)
+    slot = _slot(request, name, version)
+    info = slot.info
     return _json(
         {
-            "name": info.name,
+            "name": slot.name,
             "versions": [MODEL_VERSION],
             "platform": "pytorch",
             "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from ..errors import ApiError, not_ready, request_id_of
-from ..inference import check_inputs, infer_for_request, runtime_of
+from ..errors import ApiError, request_id_of
+from ..inference import check_inputs, infer_for_request, runtime_of, slot_for_task
 from .routes import protocol_route, retry_headers
 
 OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error"}
@@ -98,7 +98,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": OpenAIErrorBody, "description": description}
     for code, description in {
         400: "Bad request: unparsable body, schema error, empty input, dimensions, token ids",
-        404: "The model named is not the one served",
+        404: "No model of that name is served (model_not_found)",
         413: "Body, input count or input length too large",
         429: "Queue full; see Retry-After",
         503: "Not ready or draining; see Retry-After",
@@ -121,24 +121,18 @@ router = APIRouter(
 )
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
     runtime = runtime_of(request)
-    if runtime.model is None:
-        raise not_ready()
-    info = runtime.model.info
+    try:
+        slot = slot_for_task(request, body.model, ("embed",), "/v1/embeddings")
+    except ApiError as exc:
+        if exc.status != 404 and exc.error_type != "wrong_task":
+            raise
+        raise ParamError(exc.status, exc.error_type, exc.message, "model") from None
+    info = slot.info
     if body.dimensions is not None:
         raise ParamError(
             400, "unsupported_parameter",
-            f"dimensions is not supported: {info.name} returns {info.output_dim}-dimensional "
+            f"dimensions is not supported: {slot.name} returns {info.output_dim}-dimensional "
             "embeddings; leave dimensions unset", "dimensions",
-        )  # fmt: skip
-    if body.model != info.name:
-        raise ParamError(
-            404, "model_not_found", f"model {body.model!r} is not served here; this replica "
-            f"serves {info.name!r}", "model",
-        )  # fmt: skip
-    if info.task != "embed":
-        raise ParamError(
-            400, "wrong_task", f"{info.name} is a {info.task} model, not an embedding model",
-            "model",
         )  # fmt: skip
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if any(not isinstance(text, str) for text in inputs):
@@ -147,7 +141,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
         )
     check_inputs(runtime, inputs, field="input")
     outputs, num_tokens = await infer_for_request(
-        request, inputs, request_id=request_id_of(request)
+        request, inputs, request_id=request_id_of(request), model=slot.name
     )
     data = []
     for index, output in enumerate(outputs):
@@ -160,7 +154,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     payload = {
         "object": "list",
         "data": data,
-        "model": info.name,
+        "model": slot.name,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
     return Response(

@@ -1,7 +1,15 @@
-"""The replica's runtime: composes model, queue and batcher and owns their lifetimes."""
+"""The replica's runtime: composes models, queue and batcher and owns their lifetimes."""
 
 from .runtime import INLINE_TOKENIZE_CHARS, Runtime, make_sizer
+from .slot import ModelSlot
 from .trace import RequestTrace
 from .tracking import WorkTracker
 
-__all__ = ["INLINE_TOKENIZE_CHARS", "RequestTrace", "Runtime", "WorkTracker", "make_sizer"]
+__all__ = [
+    "INLINE_TOKENIZE_CHARS",
+    "ModelSlot",
+    "RequestTrace",
+    "Runtime",
+    "WorkTracker",
+    "make_sizer",
+]

@@ -45,13 +45,18 @@ def memory_budget(runtime: Runtime) -> str:
 
 
 def ready_line(runtime: Runtime, elapsed_s: float) -> str:
-    """``ready in 4.7s: http://127.0.0.1:8000 serves <model> (embed) on cpu, float32; ...``"""
-    assert runtime.model is not None
-    info = runtime.model.info
+    """``ready in 4.7s: http://127.0.0.1:8000 serves <model> (embed) on cpu, float32; ...``;
+    with several models, each by name and task, the default first."""
+    slots = list(runtime.slots.values())
+    info = slots[0].info  # every model shares the device
+    served = ", ".join(f"{slot.name} ({slot.info.task})" for slot in slots)
     settings = runtime.settings
     url = base_url(settings.host, settings.port)
     where = " (all interfaces)" if settings.host in ("0.0.0.0", "::") else ""
+    budget = memory_budget(runtime)
+    if len(slots) > 1:
+        budget = f"{slots[0].name}: {budget}"
     return (
-        f"ready in {elapsed_s:.1f}s: {url}{where} serves {info.name} ({info.task}) on "
-        f"{info.device}, {info.dtype}; {memory_budget(runtime)}; status page {url}/status"
+        f"ready in {elapsed_s:.1f}s: {url}{where} serves {served} on {info.device}, "
+        f"{info.dtype}; {budget}; status page {url}/status"
     )

@@ -11,6 +11,7 @@ from batching import AdaptiveSizer, largest_batch
 
 from ..settings import Settings
 from .runtime import Runtime
+from .slot import ModelSlot
 
 MiB = 2**20
 # The settings that change the plan: the model, how it is loaded, and the sizer's limits. The
@@ -33,7 +34,7 @@ async def _plan(settings: Settings) -> str:
         await runtime.start()
         if runtime.startup_error is not None:
             raise runtime.startup_error
-        return describe(runtime)
+        return "\n\n".join(describe(runtime, slot) for slot in runtime.slots.values())
     finally:
         await runtime.stop()
 
@@ -43,14 +44,16 @@ def memory_plan(settings: Settings) -> str:
     return asyncio.run(_plan(settings.model_copy(update={"sizer": "adaptive"})))
 
 
-def describe(runtime: Runtime) -> str:
-    assert runtime.model is not None and isinstance(runtime.sizer, AdaptiveSizer)
-    info, sizer = runtime.model.info, runtime.sizer
+def describe(runtime: Runtime, slot: ModelSlot | None = None) -> str:
+    """One model's plan (default: the default model's)."""
+    slot = slot or runtime.slot()
+    assert slot.model is not None and isinstance(slot.sizer, AdaptiveSizer)
+    info, sizer = slot.info, slot.sizer
     reading = runtime.probe.read() if runtime.probe is not None else None
     free = reading.free_bytes if reading is not None else None
     budget = sizer.budget(reading)
     lines = [
-        f"model        {info.name} ({info.task}) on {info.device}, {info.dtype}",
+        f"model        {slot.name} ({info.task}) on {info.device}, {info.dtype}",
         f"parameters   {info.num_parameters:,} ({_mib(info.shape.parameter_bytes)})",
         f"max input    {info.max_input_tokens} tokens",
         "",

@@ -1,4 +1,4 @@
-"""The replica's moving parts and their lifetimes: model, model thread, queue, batcher."""
+"""The replica's moving parts and their lifetimes: models, model thread, queue, batcher."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,25 +22,23 @@ from batching import (
     FixedSizer,
     MemoryMetrics,
     MemoryProbe,
-    MemoryReading,
     ModelThread,
     MonotonicClock,
     Pending,
     RequestQueue,
     ShuttingDown,
     Sizer,
-    largest_batch,
     limit_address_space,
     prior_peak_model,
     probes_for_device,
-    tune_host_allocator,
 )
 from models import BatchProfiler, DeviceError, Model, ModelInfo, ModelOutOfMemory, load_model
 
-from ..errors import ApiError, draining, not_ready
+from ..errors import ApiError, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
+from .slot import ModelSlot
 from .trace import RequestTrace
 from .tracking import WorkTracker
 
@@ -51,7 +49,11 @@ INLINE_TOKENIZE_CHARS = 4096
 
 
 class Runtime:
-    """Owns one replica's model, model thread, queue and batcher task."""
+    """Owns one replica's models (one ``ModelSlot`` each), model thread, queue and batcher.
+
+    ``model`` (and ``sizer``) replace the default model's loading (tests, custom wiring);
+    ``models`` replaces every model, by name, in the order given.
+    """
 
     def __init__(
         self,
@@ -59,6 +61,7 @@ class Runtime:
         *,
         registry: CollectorRegistry,
         model: Model | None = None,
+        models: Mapping[str, Model] | None = None,
         clock: Clock | None = None,
         sizer: Sizer | None = None,
         probe: MemoryProbe | None = None,
@@ -66,9 +69,10 @@ class Runtime:
     ) -> None:
         self.settings = settings
         self.config = settings.server_config()
-        self.model = model
+        self._slots = _make_slots(settings, model=model, models=models, sizer=sizer)
+        self.slots: dict[str, ModelSlot] = {}
+        """Every model by name, the default first; filled once all of them have loaded."""
         self.clock = clock or MonotonicClock()
-        self.sizer = sizer  # built from the model's shape once it is loaded, unless given
         self.probe = probe
         # Latency buckets reach the longest deadline a request can ask for.
         self.metrics = ServerMetrics(registry, max_latency_s=settings.max_timeout_s)
@@ -80,7 +84,9 @@ class Runtime:
             max_latency_s=settings.max_timeout_s,
         )
         self.queue = RequestQueue(
-            settings.max_queue_items, priority_aging_s=settings.priority_aging_s
+            settings.max_queue_items,
+            priority_aging_s=settings.priority_aging_s,
+            max_items_per_model=settings.max_items_per_model(len(self._slots)),
         )
         self.work = WorkTracker(registry)
         self.draining = False
@@ -97,6 +103,31 @@ class Runtime:
         self._on_fatal = on_fatal
         self._task: asyncio.Task[None] | None = None
         self._started = False
+
+    @property
+    def model(self) -> Model | None:
+        """The default model (None until it has loaded)."""
+        return self._slots[0].model
+
+    @property
+    def sizer(self) -> Sizer | None:
+        """The default model's sizer."""
+        return self._slots[0].sizer
+
+    def slot(self, name: str | None = None, *, task: str | None = None) -> ModelSlot:
+        """The model called ``name``; 404 ``model_not_found`` if none is, 503 before the
+        models have loaded. Without a name: the default model, or with ``task`` the first
+        model of that task (the default if it has it)."""
+        if not self.slots:
+            raise not_ready()
+        if name is None:
+            slots = list(self.slots.values())
+            of_task = [s for s in slots if task is not None and s.info.task == task]
+            return (of_task or slots)[0]
+        found = self.slots.get(name)
+        if found is None:
+            raise model_not_found(name, list(self.slots))
+        return found
 
     @property
     def ready(self) -> bool:
@@ -122,35 +153,29 @@ class Runtime:
 
     async def _start(self) -> None:
         started = time.perf_counter()
-        if self.model is None:
-            self.model = await self.model_thread.call(load_model, self.settings.model_spec())
-        info = self.model.info
-        log.info(
-            "model %s loaded: task=%s device=%s dtype=%s parameters=%d max_input_tokens=%d (%.1fs)",
-            info.name, info.task, info.device, info.dtype, info.num_parameters,
-            info.max_input_tokens, time.perf_counter() - started,
-        )  # fmt: skip
-        self.metrics.model.info(
-            {"name": info.name, "task": info.task, "device": info.device, "dtype": info.dtype}
-        )
+        for slot in self._slots:
+            await self._load(slot)
+        self.slots = _by_name(self._slots)
+        info = self._slots[0].info  # every model shares the device
         if self.probe is None:
             self.probe = probes_for_device(
                 info.device, memory_limit_bytes=self.settings.memory_limit
             )
-        if self.sizer is None:
-            self.sizer = make_sizer(self.settings, info)
-        # The first forward pass starts torch's thread pool; start every thread before a
-        # memory limit caps the address space.
-        await self.model_thread.call(self.model.forward, self.model.synthetic_items(1, 8))
+        for slot in self._slots:
+            slot.probe = self.probe
+            if slot.sizer is None:
+                slot.sizer = make_sizer(self.settings, slot.info)
+            # The first forward pass starts torch's thread pool; start every thread before a
+            # memory limit caps the address space.
+            await self.model_thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
         await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, int)
         if self.settings.memory_limit is not None and info.device == "cpu":
             self._limit_host_memory(self.settings.memory_limit)
         self._log_memory_limit()
         self.batcher = Batcher(
             queue=self.queue,
-            forward=self.profiler.wrap(self.model.forward),
+            lanes=[slot.lane(self.profiler) for slot in self._slots],
             model_thread=self.model_thread,
-            sizer=self.sizer,
             clock=self.clock,
             metrics=self.batching_metrics,
             config=self.settings.batcher_config(),
@@ -160,12 +185,31 @@ class Runtime:
             memory_metrics=self.memory_metrics,
         )
         log.info("warming up: the largest batches the memory budget allows")
-        await self._warm_up(self.batcher)
+        for slot in self._slots:
+            if len(self._slots) > 1:
+                log.info("warming up model %s", slot.name)
+            await slot.warm_up(self.batcher)
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
         self._started = True
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
+
+    async def _load(self, slot: ModelSlot) -> None:
+        started = time.perf_counter()
+        if slot.model is None:
+            slot.model = await self.model_thread.call(load_model, slot.spec)
+        info = slot.model.info
+        log.info(
+            "model %s loaded: task=%s device=%s dtype=%s parameters=%d max_input_tokens=%d (%.1fs)",
+            slot.name, info.task, info.device, info.dtype, info.num_parameters,
+            info.max_input_tokens, time.perf_counter() - started,
+        )  # fmt: skip
+        if info.task == "rerank" and not hasattr(slot.model, "prepare_pairs"):
+            raise RuntimeError(f"model {slot.name} is a reranker but cannot encode pairs")
+        self.metrics.model.labels(slot.name).info(
+            {"name": info.name, "task": info.task, "device": info.device, "dtype": info.dtype}
+        )
 
     def _limit_host_memory(self, limit_bytes: int) -> None:
         assert self.probe is not None
@@ -192,74 +236,6 @@ class Runtime:
             "memory limit: %s, %d MiB free under it",
             reading.limit.describe(), (reading.free_bytes or 0) >> 20,
         )  # fmt: skip
-
-    async def _warm_up(self, batcher: Batcher) -> None:
-        """Run the largest batches the sizer would plan (short and longest inputs), lowering
-        the ceiling after each OOM until they pass, so the server never says ready with a
-        budget it cannot run. The adaptive sizer calibrates its memory model on them."""
-        assert self.model is not None and self.sizer is not None
-        on_host = self.model.info.device == "cpu"
-        if on_host:
-            tune_host_allocator(measuring=True)
-        try:
-            await self._calibrate(batcher)
-        finally:
-            if on_host:
-                tune_host_allocator(measuring=False)
-
-    async def _calibrate(self, batcher: Batcher) -> None:
-        assert self.model is not None and self.sizer is not None
-        max_len = self.model.info.max_input_tokens
-        lengths = sorted({min(max_len, 32), max_len})
-        if not isinstance(self.sizer, AdaptiveSizer):
-            budget = self.sizer.budget()
-            lengths = [min(max_len, max(2, budget.max_tokens // budget.max_items))]
-        for length in lengths:
-            cap = self.settings.max_batch_size
-            scouted = False
-            while True:
-                reading = self.probe.read() if self.probe else None
-                budget = self.sizer.budget(reading)
-                fits = largest_batch(budget, length)
-                num_items = max(1, min(cap, fits))
-                # NOTE: past a cgroup's limit (or the host's memory) the kernel kills the
-                # process: no error comes back to lower the ceiling on. Where memory, not a
-                # cap, sets this batch's size, a quarter of it runs first, so the full one is
-                # planned by a model corrected at this length, not by the prior alone.
-                scout = not scouted and fits < cap and num_items >= 4 and _kills(reading)
-                if scout:
-                    num_items //= 4
-                items = self.model.synthetic_items(num_items, length)
-                try:
-                    outcome = await batcher.run_calibration(items)
-                except ModelOutOfMemory:
-                    self.sizer.on_oom(num_items, length)
-                    if num_items == 1:
-                        log.warning("one input of %d tokens does not fit in memory", length)
-                        break
-                    log.info("warm-up batch of %d x %d ran out of memory", num_items, length)
-                    cap = num_items // 2  # a fixed sizer has no ceiling to lower
-                    continue
-                if isinstance(self.sizer, AdaptiveSizer):
-                    self.sizer.calibrate(outcome)
-                log.info(
-                    "warm-up batch of %d x %d tokens: %.3fs, peak %s",
-                    num_items, length, outcome.elapsed_s,
-                    f"{outcome.peak_bytes / 2**20:.1f} MiB" if outcome.peak_bytes else "n/a",
-                )  # fmt: skip
-                if scout:
-                    scouted = True
-                    continue
-                break
-        if isinstance(self.sizer, AdaptiveSizer):
-            self.sizer.finish_warm_up()
-            model = self.sizer.model
-            ceiling = self.sizer.ceiling_bytes
-            log.info(
-                "memory model: %.0f bytes/token + %.1f bytes/token x length; ceiling %s",
-                model.alpha, model.beta,
-                "none" if ceiling == float("inf") else f"{ceiling / 2**20:.0f} MiB",
-            )  # fmt: skip
 
     def _batcher_done(self, task: asyncio.Task[None]) -> None:
         """The batcher only ends on its own by crashing. Policy: its requests got 500, the
@@ -330,30 +306,40 @@ class Runtime:
         timeout_s: float,
         request_id: str,
         priority: int = 0,
+        model: str | None = None,
+        query: str | None = None,
         trace: RequestTrace | None = None,
     ) -> tuple[list[Any], int]:
-        """Queue every input as one item and wait for all of them; return outputs and tokens.
-        ``trace``, if given, is filled in with what the request went through."""
+        """Queue every input as one item of ``model`` (None: the default) and wait for all of
+        them; return outputs and tokens. With ``query``, each input is a document paired with
+        it (reranking). ``trace``, if given, is filled in with what the request went through."""
         if self.draining:
             raise draining()
-        if not self.ready or self.model is None:
+        if not self.ready:
             raise not_ready()
+        slot = self.slot(model)
         with self.work.request():
             return await self._infer(
-                inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
-                priority=priority, trace=trace if trace is not None else RequestTrace(),
+                slot, inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
+                priority=priority, query=query,
+                trace=trace if trace is not None else RequestTrace(),
             )  # fmt: skip
 
     async def _infer(
-        self, inputs: Sequence[str], *, truncate: bool, timeout_s: float, request_id: str,
-        priority: int, trace: RequestTrace,
+        self, slot: ModelSlot, inputs: Sequence[str], *, truncate: bool, timeout_s: float,
+        request_id: str, priority: int, query: str | None, trace: RequestTrace,
     ) -> tuple[list[Any], int]:  # fmt: skip
         loop = asyncio.get_running_loop()
-        if sum(len(text) for text in inputs) > INLINE_TOKENIZE_CHARS:
-            prepare = functools.partial(self.model.prepare, inputs, truncate=truncate)
+        assert slot.model is not None
+        if query is None:
+            prepare = functools.partial(slot.model.prepare, inputs, truncate=truncate)
+        else:
+            prepare = functools.partial(slot.model.prepare_pairs, query, inputs, truncate=truncate)
+        chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
+        if chars > INLINE_TOKENIZE_CHARS:
             items = await loop.run_in_executor(self.tokenizer_thread, prepare)
         else:
-            items = self.model.prepare(inputs, truncate=truncate)
+            items = prepare()
         trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
         now = self.clock.now()
         deadline = now + timeout_s
@@ -366,6 +352,7 @@ class Runtime:
                 priority=priority,
                 request_id=request_id,
                 index=index,
+                model=slot.name,
             )
             for index, item in enumerate(items)
         ]
@@ -393,12 +380,32 @@ class Runtime:
         return outputs, trace.tokens
 
 
-def _kills(reading: MemoryReading | None) -> bool:
-    """Whether the binding limit is one the kernel enforces by killing (cgroup, host memory)
-    rather than one that fails an allocation (address space, device)."""
-    return reading is not None and reading.limit is not None and reading.limit.source in (
-        "cgroup", "host",
-    )  # fmt: skip
+def _make_slots(
+    settings: Settings,
+    *,
+    model: Model | None,
+    models: Mapping[str, Model] | None,
+    sizer: Sizer | None,
+) -> list[ModelSlot]:
+    if models is not None:
+        spec = settings.model_spec()
+        slots = [ModelSlot(settings, spec, name=name, model=m) for name, m in models.items()]
+    else:
+        slots = [ModelSlot(settings, spec, name=name) for name, spec in settings.model_specs()]
+        slots[0].model = model
+    slots[0].sizer = sizer
+    return slots
+
+
+def _by_name(slots: Sequence[ModelSlot]) -> dict[str, ModelSlot]:
+    by_name: dict[str, ModelSlot] = {}
+    for slot in slots:
+        if slot.name in by_name:
+            raise RuntimeError(
+                f"two models serve under the name {slot.name!r}; name them: --model NAME=SOURCE"
+            )
+        by_name[slot.name] = slot
+    return by_name
 
 
 def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:

@@ -48,7 +48,8 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 
 
 def _read(registry: CollectorRegistry) -> dict[str, float]:
-    """One pass over the registry for the few series a sample needs."""
+    """One pass over the registry for the few series a sample needs. With several models,
+    counters add up over the models and a gauge reads the largest model's value."""
     wanted = {name for name, _ in _COUNTERS.values()} | set(_GAUGES.values())
     found: dict[str, float] = {}
     for family in registry.collect():
@@ -59,10 +60,10 @@ def _read(registry: CollectorRegistry) -> dict[str, float]:
                 if name == sample.name and (
                     label is None or sample.labels.get(label[0]) == label[1]
                 ):
-                    found[key] = sample.value
+                    found[key] = found.get(key, 0.0) + sample.value
             for key, name in _GAUGES.items():
                 if name == sample.name:
-                    found[key] = sample.value
+                    found[key] = max(found.get(key, sample.value), sample.value)
     return found
 
 

@@ -106,6 +106,9 @@ def passthrough_argv(flags: dict[str, object]) -> list[str]:
         flag = name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(f"--{flag}" if value else f"--no-{flag}")
+        elif isinstance(value, list | tuple):
+            for item in value:
+                argv += [f"--{flag}", str(item)]
         else:
             argv += [f"--{flag}", str(value)]
     return argv

@@ -16,7 +16,7 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from models.loading import BUNDLED_MODEL
-from tests.integration.test_server import SENTENCES, cosine, metric
+from tests.integration.test_server import MODEL, SENTENCES, cosine, metric
 from tests.servers import run_server
 
 pytestmark = pytest.mark.integration
@@ -240,9 +240,11 @@ def test_all_protocols_share_one_queue_and_batcher(server):
 
     before, responses, after = asyncio.run(main())
     assert all(r.status_code == 200 for r in responses)
-    items = metric(after, "batchfit_batch_size_sum") - metric(before, "batchfit_batch_size_sum")
-    batches = metric(after, "batchfit_batch_size_count") - metric(
-        before, "batchfit_batch_size_count"
+    items = metric(after, "batchfit_batch_size_sum", MODEL) - metric(
+        before, "batchfit_batch_size_sum", MODEL
+    )
+    batches = metric(after, "batchfit_batch_size_count", MODEL) - metric(
+        before, "batchfit_batch_size_count", MODEL
     )
     assert items == len(responses)
     assert batches < items

@@ -15,10 +15,13 @@ import re
 import httpx
 import pytest
 
+from models.loading import BUNDLED_MODEL
 from tests.reference import cosine, reference_embeddings
 from tests.servers import run_server
 
 pytestmark = pytest.mark.integration
+
+MODEL = f'model="{BUNDLED_MODEL}"'
 
 MEMORY_LIMIT = 640 * 2**20
 CAPS = ("--max-batch-size", "128", "--max-batch-tokens", "40000", "--max-wait-ms", "200")
@@ -85,8 +88,8 @@ def test_fixed_batches_too_big_for_the_limit_are_split_and_nobody_fails(tmp_path
         responses = send_burst(server.url, texts)
         check_answers(texts, responses)
         scrape = httpx.get(f"{server.url}/metrics").text
-        assert metric(scrape, "batchfit_oom_events_total", 'outcome="split"') > 0
-        assert metric(scrape, "batchfit_oom_events_total", 'outcome="failed"') == 0
+        assert metric(scrape, "batchfit_oom_events_total", f'{MODEL},outcome="split"') > 0
+        assert metric(scrape, "batchfit_oom_events_total", f'{MODEL},outcome="failed"') == 0
         assert "can't allocate memory" in server.log() or "ran out of memory" in server.log()
         # Still serving and still ready afterwards.
         assert httpx.post(f"{server.url}/v1/infer", json={"inputs": "after"}).status_code == 200
@@ -101,8 +104,8 @@ def test_adaptive_sizer_under_the_same_limit_runs_out_of_memory_never(tmp_path):
         # One more batch: its dispatch reads VmHWM, folding in the burst's last batch.
         assert httpx.post(f"{server.url}/v1/infer", json={"inputs": "after"}).status_code == 200
         scrape = httpx.get(f"{server.url}/metrics").text
-        assert metric(scrape, "batchfit_oom_events_total", 'outcome="split"') == 0
-        assert metric(scrape, "batchfit_oom_events_total", 'outcome="failed"') == 0
+        assert metric(scrape, "batchfit_oom_events_total", f'{MODEL},outcome="split"') == 0
+        assert metric(scrape, "batchfit_oom_events_total", f'{MODEL},outcome="failed"') == 0
         # The kernel's own high-water mark of resident memory since start (VmHWM, kept across
         # the per-batch resets): model load, warm-up and the whole burst.
         peak = metric(scrape, "batchfit_host_resident_peak_bytes")

@@ -16,6 +16,9 @@ from tests.servers import run_server
 
 pytestmark = pytest.mark.integration
 
+# The label of the bundled model's series (batching metrics are per model).
+MODEL = f'model="{BUNDLED_MODEL}"'
+
 SENTENCES = [
     "The cat sits on the mat.",
     "A quick brown fox jumps over the lazy dog.",
@@ -113,16 +116,16 @@ def test_concurrent_requests_are_batched_and_answered_in_order(server, reference
         for i, output in zip(picks, outputs, strict=True):
             assert cosine(output, reference[i]) >= 0.9999
     items = sum(len(picks) for picks, _ in results)
-    batches = metric(after, "batchfit_batch_size_count") - metric(
-        before, "batchfit_batch_size_count"
+    batches = metric(after, "batchfit_batch_size_count", MODEL) - metric(
+        before, "batchfit_batch_size_count", MODEL
     )
-    batched_items = metric(after, "batchfit_batch_size_sum") - metric(
-        before, "batchfit_batch_size_sum"
+    batched_items = metric(after, "batchfit_batch_size_sum", MODEL) - metric(
+        before, "batchfit_batch_size_sum", MODEL
     )
     assert batched_items == items
     assert batches < items / 2, f"{batches} batches for {items} items: little batching"
-    singles = metric(after, "batchfit_batch_size_bucket", 'le="1.0"') - metric(
-        before, "batchfit_batch_size_bucket", 'le="1.0"'
+    singles = metric(after, "batchfit_batch_size_bucket", f'le="1.0",{MODEL}') - metric(
+        before, "batchfit_batch_size_bucket", f'le="1.0",{MODEL}'
     )
     assert singles < batches  # some batches held more than one item
 

@@ -1,0 +1,205 @@
+"""Two models on one memory limit: one replica serving both against one replica per model
+with half the limit each.
+
+The models are the bundled embedder and a classifier of the same size (the bundled model's
+config with random weights and three labels, built in a temporary folder). One seeded
+mixed-length workload goes to both, each request to one model at random. A third setup gives
+the one replica as many torch threads as the two replicas have together. Reported per setup:
+inputs per second, p50 and p99 latency, failed requests and the peak of the replicas' summed
+resident memory. Run: ``python -m bench.multi_model`` (loopback only, bounded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from .memory_limit import make_workload
+from .servers import Replica, start_replicas
+
+EMBEDDER, CLASSIFIER = "embed", "classify"
+
+
+def save_classifier(folder: Path, seed: int = 0) -> Path:
+    """The bundled model's architecture as a three-label classifier with random weights."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassification
+
+    from models.loading import BUNDLED_MODEL, resolve_model_path
+
+    source = resolve_model_path(BUNDLED_MODEL)
+    config = AutoConfig.from_pretrained(source)
+    config.num_labels = 3
+    config.architectures = ["BertForSequenceClassification"]
+    torch.manual_seed(seed)
+    BertForSequenceClassification(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.model_max_length = 256  # as the bundled model's sentence-transformers limit
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+class SumRssSampler(threading.Thread):
+    """The highest sum of the replicas' resident memory, sampled every 20 ms."""
+
+    def __init__(self, replicas: list[Replica]) -> None:
+        super().__init__(daemon=True)
+        self.replicas = replicas
+        self.peak_bytes = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            total = sum(replica.rss_bytes() or 0 for replica in self.replicas)
+            self.peak_bytes = max(self.peak_bytes, total)
+
+
+@dataclass
+class Result:
+    name: str
+    inputs_per_s: float
+    p50_s: float
+    p99_s: float
+    failed: int
+    statuses: Counter
+    peak_rss_mib: float
+
+
+async def drive(
+    urls: dict[str, str], workload: list[tuple[str, list[str]]], concurrency: int
+) -> tuple[list[float], Counter, int]:
+    """Send every request to its model's URL with ``concurrency`` clients in all."""
+    latencies: list[float] = []
+    statuses: Counter = Counter()
+    ok_inputs = 0
+    queue = list(reversed(workload))
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def worker() -> None:
+            nonlocal ok_inputs
+            while queue:
+                model, inputs = queue.pop()
+                started = time.perf_counter()
+                response = await client.post(
+                    f"{urls[model]}/v1/infer",
+                    json={"inputs": inputs, "model": model, "timeout_s": 300},
+                )
+                latencies.append(time.perf_counter() - started)
+                statuses[response.status_code] += 1
+                if response.status_code == 200:
+                    ok_inputs += len(inputs)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, statuses, ok_inputs
+
+
+def run_setup(
+    name: str,
+    flag_lists: list[list[str]],
+    route: dict[str, int],
+    workload: list[tuple[str, list[str]]],
+    concurrency: int,
+    log_dir: Path,
+) -> Result:
+    """Start the replicas, send the workload (model -> index of the replica serving it)."""
+    with start_replicas(flag_lists, log_dir=log_dir / name, ready_timeout_s=300) as replicas:
+        urls = {model: replicas[index].url for model, index in route.items()}
+        asyncio.run(drive(urls, workload[:8], 4))  # a first request per model, not measured
+        sampler = SumRssSampler(replicas)
+        sampler.start()
+        started = time.perf_counter()
+        latencies, statuses, ok_inputs = asyncio.run(drive(urls, workload, concurrency))
+        elapsed = time.perf_counter() - started
+        sampler.stop.set()
+        sampler.join()
+    latencies.sort()
+    return Result(
+        name=name,
+        inputs_per_s=ok_inputs / elapsed,
+        p50_s=statistics.median(latencies),
+        p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        failed=sum(n for code, n in statuses.items() if code != 200),
+        statuses=statuses,
+        peak_rss_mib=sampler.peak_bytes / 2**20,
+    )
+
+
+def mixed_workload(num_requests: int, seed: int, long_share: float) -> list[tuple[str, list[str]]]:
+    rng = random.Random(seed + 1)
+    return [
+        (rng.choice((EMBEDDER, CLASSIFIER)), inputs)
+        for inputs in make_workload(num_requests, seed, long_share)
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory-limit-mib", type=int, default=1280)
+    parser.add_argument("--requests", type=int, default=160)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--long-share", type=float, default=0.25)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads of the one replica in the third setup: as many as the two "
+        "replicas have together (each has the default, CPUs - 1, which is 1 on 2 cores)",
+    )
+    parser.add_argument("--log-dir", type=Path, default=Path("bench-results"))
+    args = parser.parse_args(argv)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    workload = mixed_workload(args.requests, args.seed, args.long_share)
+    limit, half = args.memory_limit_mib, args.memory_limit_mib // 2
+    common = ["--max-wait-ms", "5"]
+    with tempfile.TemporaryDirectory(prefix="batchfit-multi-") as tmp:
+        classifier = save_classifier(Path(tmp) / "classifier")
+        embed_flag = f"{EMBEDDER}=all-MiniLM-L6-v2"
+        classify_flag = f"{CLASSIFIER}={classifier}"
+        setups = [
+            (
+                "one replica, both models",
+                [["--model", embed_flag, "--model", classify_flag,
+                  "--memory-limit", f"{limit}MiB", *common]],
+                {EMBEDDER: 0, CLASSIFIER: 0},
+            ),
+            (
+                f"one replica, {args.threads} threads",
+                [["--model", embed_flag, "--model", classify_flag,
+                  "--memory-limit", f"{limit}MiB", "--num-threads", str(args.threads), *common]],
+                {EMBEDDER: 0, CLASSIFIER: 0},
+            ),
+            (
+                "two replicas, one model each",
+                [["--model", embed_flag, "--memory-limit", f"{half}MiB", *common],
+                 ["--model", classify_flag, "--memory-limit", f"{half}MiB", *common]],
+                {EMBEDDER: 0, CLASSIFIER: 1},
+            ),
+        ]  # fmt: skip
+        inputs = sum(len(i) for _, i in workload)
+        print(f"{args.requests} requests ({inputs} inputs, {args.long_share:.0%} at the maximum "
+              f"length, to two models at random), {args.concurrency} clients, memory limit "
+              f"{limit} MiB in all")  # fmt: skip
+        print(f"{'setup':<30}{'inputs/s':>10}{'p50 s':>8}{'p99 s':>8}{'failed':>8}"
+              f"{'peak RSS MiB':>14}  statuses")  # fmt: skip
+        for name, flag_lists, route in setups:
+            result = run_setup(name, flag_lists, route, workload, args.concurrency, args.log_dir)
+            print(f"{result.name:<30}{result.inputs_per_s:>10.1f}{result.p50_s:>8.2f}"
+                  f"{result.p99_s:>8.2f}{result.failed:>8}{result.peak_rss_mib:>14.0f}  "
+                  f"{dict(result.statuses)}", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""``POST /v1/rerank``: score documents against a query with a cross-encoder.
+
+The request and response follow the widely used rerank APIs: results sorted by
+``relevance_score`` (the sigmoid of the model's one logit), descending. Each (query, document)
+pair is one queue item whose cost is the pair's token count after truncation.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from starlette.responses import Response
+
+from .errors import ApiError, error_response, request_id_of, to_api_error
+from .inference import ClientDisconnected, check_inputs, infer_for_request, slot_for_task
+from .routes import ERROR_RESPONSES, require_json, require_serving
+from .schemas import Usage
+
+_TEXT = {"type": "string", "minLength": 1}
+
+
+class RerankRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    query: Annotated[str, WithJsonSchema(_TEXT)] = Field(
+        description="The text the documents are scored against; not empty (400 empty_input)."
+    )
+    documents: Annotated[list[str], WithJsonSchema({"type": "array", "items": _TEXT})] = Field(
+        description="The texts to score; at least one, at most the server's "
+        "max_inputs_per_request (413 too_many_inputs), none empty (400 empty_input)."
+    )
+    top_n: int | None = Field(
+        None,
+        description="Return only the best top_n results; from 1 to the number of documents "
+        "(else 422 invalid_top_n). Default: all of them.",
+    )
+    return_documents: bool = Field(
+        False, description="Include each result's document text as document.text."
+    )
+    model: str | None = Field(
+        None,
+        description="Which served reranker scores the pairs, by name; default: the first "
+        "reranker the server was started with. Unknown: 404 model_not_found.",
+    )
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int = Field(description="The document's position in the request.")
+    relevance_score: float = Field(description="Sigmoid of the cross-encoder's logit, 0 to 1.")
+    document: RerankDocument | None = Field(None, description="With return_documents only.")
+
+
+class RerankResponse(BaseModel):
+    model: str
+    results: list[RerankResult]
+    usage: Usage
+    request_id: str
+
+
+router = APIRouter()
+
+
+@router.post(
+    "/v1/rerank",
+    response_model=RerankResponse,
+    response_model_exclude_none=True,
+    responses=ERROR_RESPONSES,
+    dependencies=[Depends(require_serving), Depends(require_json)],
+    summary="Rerank documents against a query (cross-encoder)",
+)
+async def rerank(body: RerankRequest, request: Request) -> Response:
+    slot = slot_for_task(request, body.model, ("rerank",), "/v1/rerank", default_task="rerank")
+    if not body.query:
+        raise ApiError(400, "empty_input", "query is empty")
+    if not body.documents:
+        raise ApiError(400, "empty_input", "documents is empty")
+    runtime = request.app.state.runtime
+    check_inputs(runtime, [body.query], field="query")
+    check_inputs(runtime, body.documents, field="documents")
+    top_n = len(body.documents) if body.top_n is None else body.top_n
+    if not 1 <= top_n <= len(body.documents):
+        raise ApiError(
+            422, "invalid_top_n",
+            f"top_n must be from 1 to the number of documents ({len(body.documents)}), "
+            f"got {top_n}",
+        )  # fmt: skip
+    request_id = request_id_of(request)
+    try:
+        scores, num_tokens = await infer_for_request(
+            request, body.documents, request_id=request_id, model=slot.name, query=body.query
+        )
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except Exception as exc:
+        return error_response(request, to_api_error(exc))
+    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:top_n]
+    results = []
+    for index in ranked:
+        result: dict[str, object] = {"index": index, "relevance_score": scores[index]}
+        if body.return_documents:
+            result["document"] = {"text": body.documents[index]}
+        results.append(result)
+    payload = {
+        "model": slot.name,
+        "results": results,
+        "usage": {"input_tokens": num_tokens},
+        "request_id": request_id,
+    }
+    return Response(orjson.dumps(payload), media_type="application/json")
