@@ -35,6 +35,8 @@ def _default(value: object) -> str:
         return "on" if value else "off"
     if isinstance(value, str):
         return f"`{value}`"
+    if isinstance(value, tuple):  # a repeatable flag
+        return ", ".join(_default(v) for v in value)
     return str(value)
 
 
