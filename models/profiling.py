@@ -107,6 +107,19 @@ class BatchProfiler:
         with self._lock:
             self._profile = prof
 
+    def finish(self) -> None:
+        """At shutdown, on the model thread: write a recording that has not reached its batch
+        count with the batches it has, or disarm one that never started. (A profiler left
+        recording when the interpreter exits crashes it.)"""
+        with self._lock:
+            if self._path is None:
+                return
+            if self._profile is None:
+                self._path = None
+                return
+            prof, path = self._profile, self._path
+        self._write(prof, path)
+
     def _after_batch(self) -> None:
         with self._lock:
             self._recorded += 1
@@ -114,6 +127,9 @@ class BatchProfiler:
                 return
             prof, path = self._profile, self._path
         assert prof is not None and path is not None
+        self._write(prof, path)
+
+    def _write(self, prof: profile, path: Path) -> None:
         error = None
         try:
             if _cuda_in_use():

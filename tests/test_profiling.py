@@ -149,6 +149,25 @@ async def test_admin_profile_needs_the_token_and_records_batches(registry, tmp_p
     assert "security" in paths["/admin/profile"]["post"]
 
 
+async def test_a_recording_cut_short_by_shutdown_is_written_with_its_batches(
+    registry, tmp_path, thread_log
+):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with running(
+        ScriptedModel(), registry, admin_token=TOKEN, profile_dir=str(tmp_path)
+    ) as client:
+        armed = await client.post("/admin/profile", json={"num_batches": 5}, headers=auth)
+        assert (await client.post("/v1/infer", json={"inputs": "one"})).status_code == 200
+        status = (await client.get("/admin/profile", headers=auth)).json()
+        assert (status["state"], status["batches_recorded"]) == ("recording", 1)
+    # The server stopped with the profiler still recording: it stopped on the model thread
+    # and wrote the one batch it had.
+    assert [what for what, _ in thread_log] == ["start", "stop"]
+    assert thread_log[0][1] == thread_log[1][1] != threading.main_thread().name
+    events = json.loads(Path(armed.json()["trace_path"]).read_text())["traceEvents"]
+    assert sum(e.get("name", "").startswith("batchfit_batch[") for e in events) == 1
+
+
 def test_admin_token_is_a_flag_and_kept_secret():
     settings = Settings(admin_token="s3cret")
     assert "s3cret" not in repr(settings)
@@ -165,8 +184,6 @@ async def test_admin_token_works_alongside_an_api_key(registry, tmp_path):
     async with running(
         ScriptedModel(), registry, api_key="K123", admin_token="T456", profile_dir=str(tmp_path)
     ) as client:
-        # One batch, so the trace ends with the one below: a profiler still recording when
-        # the process exits crashes the interpreter at exit.
         admin = await client.post(
             "/admin/profile", json={"num_batches": 1}, headers={"Authorization": "Bearer T456"}
         )

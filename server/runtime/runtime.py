@@ -291,6 +291,8 @@ class Runtime:
         if self._aborted:
             self.model_thread.close(wait=False)  # the forward in progress ends on its own
         else:
+            if self._started:
+                await self.model_thread.call(self.profiler.finish)
             # Waits for a running forward pass on an existing thread (no new one under a
             # memory limit).
             await asyncio.get_running_loop().run_in_executor(
