@@ -73,6 +73,11 @@ def make_admin_router(admin_token: str) -> APIRouter:
             profiler.arm((body or ProfileRequest()).num_batches)
         except ProfilerBusy as exc:
             raise ApiError(409, "profile_busy", str(exc)) from None
+        except OSError as exc:  # the trace folder cannot be made
+            raise ApiError(
+                500, "profile_dir_unwritable",
+                f"cannot write traces to --profile-dir {profiler.directory}: {exc.strerror}",
+            ) from None  # fmt: skip
         return _state(profiler.status(), 202)
 
     @router.get("/profile", response_model=ProfileState, summary="The profiler's state")

@@ -168,6 +168,22 @@ async def test_a_recording_cut_short_by_shutdown_is_written_with_its_batches(
     assert sum(e.get("name", "").startswith("batchfit_batch[") for e in events) == 1
 
 
+async def test_an_unwritable_profile_dir_is_a_clear_error_and_nothing_else_breaks(
+    registry, tmp_path
+):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with running(
+        ScriptedModel(), registry, admin_token=TOKEN, profile_dir=str(blocker / "traces")
+    ) as client:
+        armed = await client.post("/admin/profile", headers=auth)
+        body = assert_error(armed, 500, "profile_dir_unwritable")
+        assert str(blocker / "traces") in body["error"]
+        assert (await client.get("/admin/profile", headers=auth)).json()["state"] == "idle"
+        assert (await client.post("/v1/infer", json={"inputs": "a"})).status_code == 200
+
+
 def test_admin_token_is_a_flag_and_kept_secret():
     settings = Settings(admin_token="s3cret")
     assert "s3cret" not in repr(settings)
