@@ -3,8 +3,9 @@ with half the limit each.
 
 The models are the bundled embedder and a classifier of the same size (the bundled model's
 config with random weights and three labels, built in a temporary folder). One seeded
-mixed-length workload goes to both, each request to one model at random. A third setup gives
-the one replica as many torch threads as the two replicas have together. Reported per setup:
+mixed-length workload goes to both, each request to one model at random. The two replicas run
+twice: with the default threads (each uses every CPU, so they contend for cores) and with the
+CPUs split between them. Reported per setup:
 inputs per second, p50 and p99 latency, failed requests and the peak of the replicas' summed
 resident memory. Run: ``python -m bench.multi_model`` (loopback only, bounded).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -151,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-share", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
-        "--threads",
+        "--split-threads",
         type=int,
-        default=2,
-        help="torch threads of the one replica in the third setup: as many as the two "
-        "replicas have together (each has the default, CPUs - 1, which is 1 on 2 cores)",
+        default=max(1, len(os.sched_getaffinity(0)) // 2),
+        help="torch threads of each of the two replicas in the last setup (default: half the "
+        "CPUs this process may use)",
     )
     parser.add_argument("--log-dir", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = mixed_workload(args.requests, args.seed, args.long_share)
     limit, half = args.memory_limit_mib, args.memory_limit_mib // 2
     common = ["--max-wait-ms", "5"]
+    split = ["--num-threads", str(args.split_threads)]
     with tempfile.TemporaryDirectory(prefix="batchfit-multi-") as tmp:
         classifier = save_classifier(Path(tmp) / "classifier")
         embed_flag = f"{EMBEDDER}=all-MiniLM-L6-v2"
@@ -175,15 +178,15 @@ def main(argv: list[str] | None = None) -> int:
                 {EMBEDDER: 0, CLASSIFIER: 0},
             ),
             (
-                f"one replica, {args.threads} threads",
-                [["--model", embed_flag, "--model", classify_flag,
-                  "--memory-limit", f"{limit}MiB", "--num-threads", str(args.threads), *common]],
-                {EMBEDDER: 0, CLASSIFIER: 0},
-            ),
-            (
                 "two replicas, one model each",
                 [["--model", embed_flag, "--memory-limit", f"{half}MiB", *common],
                  ["--model", classify_flag, "--memory-limit", f"{half}MiB", *common]],
+                {EMBEDDER: 0, CLASSIFIER: 1},
+            ),
+            (
+                f"two replicas, CPUs split ({args.split_threads} each)",
+                [["--model", embed_flag, "--memory-limit", f"{half}MiB", *split, *common],
+                 ["--model", classify_flag, "--memory-limit", f"{half}MiB", *split, *common]],
                 {EMBEDDER: 0, CLASSIFIER: 1},
             ),
         ]  # fmt: skip
