@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from .cgroups import ChildCgroup, make_child_cgroup
 from .servers import ROOT, Replica, free_port, stop_process, wait_ready
@@ -59,16 +60,33 @@ def send_burst(url: str, requests: list[list[str]]) -> list[httpx.Response | Exc
     return asyncio.run(main())
 
 
+def _samples(scrape: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """``name``'s samples with their labels, the ``model`` label left out."""
+    return [
+        ({k: v for k, v in sample.labels.items() if k != "model"}, sample.value)
+        for family in text_string_to_metric_families(scrape)
+        for sample in family.samples
+        if sample.name == name
+    ]
+
+
 def scrape_value(scrape: str, name: str, labels: str = "") -> float | None:
-    pattern = re.escape(name + (f"{{{labels}}}" if labels else "")) + r" ([0-9.e+-]+)"
-    match = re.search(pattern, scrape)
-    return float(match.group(1)) if match else None
+    """The sample of ``name`` with ``labels`` (``k="v",...``), summed over the models it
+    serves; None when the scrape has none."""
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    found = [value for got, value in _samples(scrape, name) if got == wanted]
+    return sum(found) if found else None
 
 
 def histogram(scrape: str, name: str) -> dict[float, float]:
-    """Cumulative bucket counts of a histogram by upper bound (+Inf left out)."""
-    found = re.findall(rf'^{name}_bucket\{{le="([^"+]+)"\}} (\S+)$', scrape, re.M)
-    return {float(bound): float(count) for bound, count in found}
+    """Cumulative bucket counts of a histogram by upper bound (+Inf left out), summed over
+    the models."""
+    counts: dict[float, float] = {}
+    for labels, value in _samples(scrape, f"{name}_bucket"):
+        if labels.keys() == {"le"} and labels["le"] != "+Inf":
+            bound = float(labels["le"])
+            counts[bound] = counts.get(bound, 0.0) + value
+    return counts
 
 
 def start_in(cgroup: ChildCgroup, flags: list[str], log_dir: Path) -> Replica:

@@ -15,12 +15,16 @@ GIB = 2**30
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Every sample of a replica's ``/metrics``, keyed ``name`` or ``name{k="v",...}``."""
+    """Every sample of a replica's ``/metrics``, keyed ``name`` or ``name{k="v",...}`` with
+    the ``model`` label left out (summed over the models; the GPU check serves one)."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+            labels = ",".join(
+                f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model"
+            )
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            values[key] = values.get(key, 0.0) + sample.value
     return values
 
 

@@ -97,9 +97,12 @@ def scrape(url: str) -> str:
 
 
 def value(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    assert match, f"{name} not in scrape"
-    return float(match.group(1))
+    """``name``'s sample, summed over the ``model`` label where it has one."""
+    found = re.findall(
+        rf'^{re.escape(name)}(?:{{model="[^"]*"}})? ([0-9.e+-]+)$', text, re.MULTILINE
+    )
+    assert found, f"{name} not in scrape"
+    return sum(float(v) for v in found)
 
 
 def wait_idle(url: str, timeout_s: float = 60.0) -> str:
