@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,23 +48,32 @@ def burst_requests(seed: int = 12) -> list[list[str]]:
     return requests
 
 
-def send_burst(url: str, requests: list[list[str]]) -> list[httpx.Response | Exception]:
-    """Every request at once; a refused or dropped connection comes back as its exception."""
+def send_burst(
+    url: str, requests: list[list[str]], models: Sequence[str | None] = (None,)
+) -> list[httpx.Response | Exception]:
+    """Every request at once, request i to ``models[i % len(models)]`` (None: the default);
+    a refused or dropped connection comes back as its exception."""
+
+    def body(i: int, inputs: list[str]) -> dict[str, object]:
+        model = models[i % len(models)]
+        return {"inputs": inputs, "timeout_s": 300, **({"model": model} if model else {})}
 
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             return await asyncio.gather(
-                *(client.post("/v1/infer", json={"inputs": r, "timeout_s": 300}) for r in requests),
+                *(client.post("/v1/infer", json=body(i, r)) for i, r in enumerate(requests)),
                 return_exceptions=True,
             )
 
     return asyncio.run(main())
 
 
-def _samples(scrape: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """``name``'s samples with their labels, the ``model`` label left out."""
+def _samples(
+    scrape: str, name: str, keep: frozenset[str] = frozenset()
+) -> list[tuple[dict[str, str], float]]:
+    """``name``'s samples with their labels, the ``model`` label left out unless kept."""
     return [
-        ({k: v for k, v in sample.labels.items() if k != "model"}, sample.value)
+        ({k: v for k, v in sample.labels.items() if k != "model" or k in keep}, sample.value)
         for family in text_string_to_metric_families(scrape)
         for sample in family.samples
         if sample.name == name
@@ -72,9 +82,9 @@ def _samples(scrape: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 def scrape_value(scrape: str, name: str, labels: str = "") -> float | None:
     """The sample of ``name`` with ``labels`` (``k="v",...``), summed over the models it
-    serves; None when the scrape has none."""
+    serves unless ``labels`` names one; None when the scrape has none."""
     wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-    found = [value for got, value in _samples(scrape, name) if got == wanted]
+    found = [value for got, value in _samples(scrape, name, frozenset(wanted)) if got == wanted]
     return sum(found) if found else None
 
 

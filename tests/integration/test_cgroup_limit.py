@@ -21,6 +21,7 @@ from bench.cgroup_limit import (
     scrape_value,
     send_burst,
 )
+from models.loading import BUNDLED_MODEL
 from tests.cgroups import ChildCgroup, child_cgroup
 from tests.reference import cosine, reference_embeddings
 from tests.servers import ServerProcess, run_server
@@ -44,11 +45,18 @@ def check_answers(requests, responses) -> None:
     assert worst >= 0.9999, worst
 
 
-def serve_burst_under(cgroup: ChildCgroup, server: ServerProcess, limit: int, label: str) -> None:
-    """Send the burst; the replica must live through it, answer right and stay under ``limit``."""
+def serve_burst_under(
+    cgroup: ChildCgroup,
+    server: ServerProcess,
+    limit: int,
+    label: str,
+    models: tuple[str | None, ...] = (None,),
+) -> None:
+    """Send the burst (request i to ``models[i % len(models)]``); the replica must live through
+    it, answer right and stay under ``limit``."""
     requests = burst_requests()
     started = time.perf_counter()
-    responses = send_burst(server.url, requests)
+    responses = send_burst(server.url, requests, models)
     elapsed = time.perf_counter() - started
     peak, kills, alive = cgroup.peak(), cgroup.oom_kills(), server.process.poll() is None
     print(
@@ -97,6 +105,23 @@ def test_a_replica_started_under_a_tight_limit_warms_up_within_it(tmp_path):
             assert f"memory limit: {limit / MiB:.0f} MiB (cgroup {cgroup.path})" in server.log()
             cgroup.reset_peak()
             serve_burst_under(cgroup, server, limit, "limit set before start-up")
+
+
+def test_two_models_in_one_replica_share_the_limit_and_nothing_is_killed(tmp_path):
+    """Both models' weights count against one cgroup limit; each batch is sized against what
+    is free then, whichever model it runs."""
+    models = (f"a={BUNDLED_MODEL}", f"b={BUNDLED_MODEL}")
+    with child_cgroup("two-models") as cgroup:
+        cgroup.set_limit(LOOSE_LIMIT + 200 * MiB)  # room for two warm-ups
+        flags = [flag for model in models for flag in ("--model", model)]
+        with run_server(tmp_path, *flags, *CAPS, preexec=cgroup.join) as server:
+            limit = cgroup.usage() + 250 * MiB
+            cgroup.set_limit(limit)
+            cgroup.reset_peak()
+            serve_burst_under(cgroup, server, limit, "two models, one limit", ("a", "b"))
+            scrape = httpx.get(f"{server.url}/metrics").text
+            for name in ("a", "b"):  # the burst reached both
+                assert scrape_value(scrape, "batchfit_inputs_total", f'model="{name}"') == 192
 
 
 def test_the_same_burst_without_the_memory_term_is_killed_by_the_kernel(tmp_path):
