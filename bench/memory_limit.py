@@ -68,17 +68,18 @@ def make_workload(num_requests: int, seed: int, long_share: float = 0.1) -> list
 
 
 class RssSampler(threading.Thread):
-    """Samples a replica's resident memory every 20 ms."""
+    """The highest sum of the replicas' resident memory, sampled every 20 ms."""
 
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, *replicas: Replica) -> None:
         super().__init__(daemon=True)
-        self.replica = replica
+        self.replicas = replicas
         self.peak_bytes = 0
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.02):
-            self.peak_bytes = max(self.peak_bytes, self.replica.rss_bytes() or 0)
+            total = sum(replica.rss_bytes() or 0 for replica in self.replicas)
+            self.peak_bytes = max(self.peak_bytes, total)
 
 
 @dataclass
@@ -94,24 +95,26 @@ class Result:
 
 
 async def drive(
-    url: str, workload: list[list[str]], concurrency: int
+    requests: list[tuple[str, dict[str, object]]], concurrency: int
 ) -> tuple[list[float], Counter, int]:
+    """POST each ``(url, body)`` in order with ``concurrency`` clients; the latencies, the
+    status counts and the inputs answered."""
     latencies: list[float] = []
     statuses: Counter = Counter()
     ok_inputs = 0
-    queue = list(reversed(workload))
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    queue = list(reversed(requests))
+    async with httpx.AsyncClient(timeout=600) as client:
 
         async def worker() -> None:
+            nonlocal ok_inputs
             while queue:
-                inputs = queue.pop()
+                url, body = queue.pop()
                 started = time.perf_counter()
-                response = await client.post("/v1/infer", json={"inputs": inputs, "timeout_s": 300})
+                response = await client.post(url, json=body)
                 latencies.append(time.perf_counter() - started)
                 statuses[response.status_code] += 1
                 if response.status_code == 200:
-                    nonlocal ok_inputs
-                    ok_inputs += len(inputs)
+                    ok_inputs += len(body["inputs"])  # type: ignore[arg-type]
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return latencies, statuses, ok_inputs
@@ -120,10 +123,11 @@ async def drive(
 def run_setting(name, flags, workload, concurrency, log_dir) -> Result:
     with start_replica(flags, log_dir=log_dir / name) as replica:
         url = replica.url
+        requests = [(f"{url}/v1/infer", {"inputs": text, "timeout_s": 300}) for text in workload]
         sampler = RssSampler(replica)
         sampler.start()
         started = time.perf_counter()
-        latencies, statuses, ok_inputs = asyncio.run(drive(url, workload, concurrency))
+        latencies, statuses, ok_inputs = asyncio.run(drive(requests, concurrency))
         elapsed = time.perf_counter() - started
         sampler.stop.set()
         sampler.join()

@@ -19,16 +19,13 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from .memory_limit import make_workload
-from .servers import Replica, start_replicas
+from .memory_limit import RssSampler, drive, make_workload
+from .servers import start_replicas
 
 EMBEDDER, CLASSIFIER = "embed", "classify"
 
@@ -52,21 +49,6 @@ def save_classifier(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-class SumRssSampler(threading.Thread):
-    """The highest sum of the replicas' resident memory, sampled every 20 ms."""
-
-    def __init__(self, replicas: list[Replica]) -> None:
-        super().__init__(daemon=True)
-        self.replicas = replicas
-        self.peak_bytes = 0
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(0.02):
-            total = sum(replica.rss_bytes() or 0 for replica in self.replicas)
-            self.peak_bytes = max(self.peak_bytes, total)
-
-
 @dataclass
 class Result:
     name: str
@@ -76,34 +58,6 @@ class Result:
     failed: int
     statuses: Counter
     peak_rss_mib: float
-
-
-async def drive(
-    urls: dict[str, str], workload: list[tuple[str, list[str]]], concurrency: int
-) -> tuple[list[float], Counter, int]:
-    """Send every request to its model's URL with ``concurrency`` clients in all."""
-    latencies: list[float] = []
-    statuses: Counter = Counter()
-    ok_inputs = 0
-    queue = list(reversed(workload))
-    async with httpx.AsyncClient(timeout=600) as client:
-
-        async def worker() -> None:
-            nonlocal ok_inputs
-            while queue:
-                model, inputs = queue.pop()
-                started = time.perf_counter()
-                response = await client.post(
-                    f"{urls[model]}/v1/infer",
-                    json={"inputs": inputs, "model": model, "timeout_s": 300},
-                )
-                latencies.append(time.perf_counter() - started)
-                statuses[response.status_code] += 1
-                if response.status_code == 200:
-                    ok_inputs += len(inputs)
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies, statuses, ok_inputs
 
 
 def run_setup(
@@ -116,12 +70,16 @@ def run_setup(
 ) -> Result:
     """Start the replicas, send the workload (model -> index of the replica serving it)."""
     with start_replicas(flag_lists, log_dir=log_dir / name, ready_timeout_s=300) as replicas:
-        urls = {model: replicas[index].url for model, index in route.items()}
-        asyncio.run(drive(urls, workload[:8], 4))  # a first request per model, not measured
-        sampler = SumRssSampler(replicas)
+        requests = [
+            (f"{replicas[route[model]].url}/v1/infer",
+             {"inputs": inputs, "model": model, "timeout_s": 300})
+            for model, inputs in workload
+        ]  # fmt: skip
+        asyncio.run(drive(requests[:8], 4))  # a first request per model, not measured
+        sampler = RssSampler(*replicas)
         sampler.start()
         started = time.perf_counter()
-        latencies, statuses, ok_inputs = asyncio.run(drive(urls, workload, concurrency))
+        latencies, statuses, ok_inputs = asyncio.run(drive(requests, concurrency))
         elapsed = time.perf_counter() - started
         sampler.stop.set()
         sampler.join()
