@@ -101,31 +101,26 @@ class TextModel:
         )
 
     def prepare(self, inputs: Sequence[str], *, truncate: bool) -> list[Item]:
-        tokenizer = self._truncating if truncate else self._full
-        encodings = tokenizer.encode_batch_fast(list(inputs))
-        limit = self.info.max_input_tokens
-        items = []
-        for index, encoding in enumerate(encodings):
-            ids = encoding.ids
-            if len(ids) > limit:
-                raise InputTooLong(index, len(ids), limit)
-            items.append(Item(data=ids, cost=len(ids)))
-        return items
+        return self._items(list(inputs), truncate=truncate, pairs=False)
 
     def prepare_pairs(
         self, query: str, documents: Sequence[str], *, truncate: bool = True
     ) -> list[Item]:
         """One item per (query, document) pair, encoded as the tokenizer encodes a pair (with
         its separators and segment ids); truncation shortens the longer side first."""
+        pairs = [(query, document) for document in documents]
+        return self._items(pairs, truncate=truncate, pairs=True)
+
+    def _items(self, inputs: list[Any], *, truncate: bool, pairs: bool) -> list[Item]:
         tokenizer = self._truncating if truncate else self._full
-        encodings = tokenizer.encode_batch_fast([(query, document) for document in documents])
         limit = self.info.max_input_tokens
         items = []
-        for index, encoding in enumerate(encodings):
+        for index, encoding in enumerate(tokenizer.encode_batch_fast(inputs)):
             ids = encoding.ids
             if len(ids) > limit:
                 raise InputTooLong(index, len(ids), limit)
-            items.append(Item(data=(ids, encoding.type_ids), cost=len(ids)))
+            data = (ids, encoding.type_ids) if pairs else ids
+            items.append(Item(data=data, cost=len(ids)))
         return items
 
     def synthetic_items(self, num_items: int, length: int) -> list[Item]:
