@@ -22,18 +22,13 @@ def status_assets() -> StaticFiles:
 
 def model_card(request: Request) -> dict[str, Any] | None:
     runtime = request.app.state.runtime
-    if runtime.model is None:
+    if not runtime.slots:  # the models have not loaded yet
         return None
-    info = runtime.model.info
+    default = runtime.slot()  # the default model's card
     settings = runtime.settings
     return {
-        "name": info.name,
-        "task": info.task,
-        "device": info.device,
-        "dtype": info.dtype,
-        "num_parameters": info.num_parameters,
-        "max_input_tokens": info.max_input_tokens,
-        "output_dim": info.output_dim,
+        **default.card(),
+        "num_parameters": default.info.num_parameters,
         "sizer": settings.sizer,
         "max_batch_size": settings.max_batch_size,
         "max_batch_tokens": settings.max_batch_tokens,
