@@ -41,6 +41,7 @@ from .probes import (
     TorchCudaProbe,
     limit_address_space,
     probes_for_device,
+    release_host_memory,
     tune_host_allocator,
 )
 from .queue import Pending, RequestQueue
@@ -103,6 +104,7 @@ __all__ = [
     "powers_of_two",
     "prior_peak_model",
     "probes_for_device",
+    "release_host_memory",
     "split",
     "tune_host_allocator",
 ]

@@ -259,6 +259,17 @@ class MemoryMetrics:
             "address-space limits, the smallest).",
             registry=registry,
         )
+        self.host_released = Counter(
+            "batchfit_host_heap_released_bytes",
+            "Resident memory handed back to the OS from the C allocator's free blocks after "
+            "the replica went quiet (--memory-release-idle-s).",
+            registry=registry,
+        )
+        self.host_last_release = Gauge(
+            "batchfit_host_heap_last_release_timestamp_seconds",
+            "When the replica last handed its free heap memory back (Unix time; 0: never).",
+            registry=registry,
+        )
         self.limit = Gauge(
             "batchfit_memory_limit_bytes",
             "The memory limit that binds (the one leaving the least room), by where it comes "

@@ -347,6 +347,14 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
 def tune_host_allocator(*, measuring: bool) -> bool:
     """Make glibc's malloc hand large blocks back to the kernel so RSS peaks measure a batch.
 
@@ -358,12 +366,26 @@ def tune_host_allocator(*, measuring: bool) -> bool:
     at 4 MiB it levelled off 70 MiB up, at the same throughput). Returns False where there is
     no glibc (nothing changed).
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return False
     mmap_threshold, trim_threshold = (2**20, 2**20) if measuring else (4 * 2**20, 4 * 2**20)
-    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     )
+
+
+def release_host_memory(proc: Path = Path("/proc")) -> int | None:
+    """Hand the free memory glibc's malloc holds back to the kernel (``malloc_trim(0)``: the
+    free pages inside every arena, not only a heap's top, which is all the trim threshold
+    returns); return how much resident memory that released, or None where there is no
+    glibc. Holes that batches of many shapes leave in the heap otherwise stay resident
+    (docs/memory.md has the soak's figures)."""
+    libc = _glibc()
+    if libc is None:
+        return None
+    status = proc / "self" / "status"
+    before = kib_field(status.read_bytes(), b"VmRSS") or 0
+    libc.malloc_trim(0)
+    after = kib_field(status.read_bytes(), b"VmRSS") or 0
+    return max(0, before - after)

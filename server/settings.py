@@ -142,6 +142,14 @@ class Settings(BaseSettings):
         "and on CPU also sets an address-space limit once the model is loaded, so a runaway "
         "batch gets a real allocation failure instead of swapping the host.",
     )
+    memory_release_idle_s: float = Field(
+        10.0,
+        ge=0,
+        description="Once no inference request has been in progress for this long, hand the "
+        "free memory the C allocator holds back to the OS (glibc malloc_trim), so a quiet "
+        "replica's resident memory is what it uses, not what its last burst left behind. "
+        "0 turns it off.",
+    )
     target_latency_ms: float | None = Field(
         None,
         gt=0,

@@ -31,6 +31,7 @@ from batching import (
     limit_address_space,
     prior_peak_model,
     probes_for_device,
+    release_host_memory,
 )
 from models import BatchProfiler, DeviceError, Model, ModelInfo, ModelOutOfMemory, load_model
 
@@ -88,7 +89,7 @@ class Runtime:
             priority_aging_s=settings.priority_aging_s,
             max_items_per_model=settings.max_items_per_model(len(self._slots)),
         )
-        self.work = WorkTracker(registry)
+        self.work = WorkTracker(registry, clock=self.clock)
         self.draining = False
         self._aborted = False
         self.batcher_error: BaseException | None = None
@@ -102,6 +103,7 @@ class Runtime:
         self.startup_error: BaseException | None = None
         self._on_fatal = on_fatal
         self._task: asyncio.Task[None] | None = None
+        self._release_task: asyncio.Task[None] | None = None
         self._started = False
 
     @property
@@ -191,6 +193,11 @@ class Runtime:
             await slot.warm_up(self.batcher)
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
+        if self.settings.memory_release_idle_s > 0:
+            self._release_task = asyncio.create_task(
+                self._release_memory_when_quiet(self.settings.memory_release_idle_s),
+                name="batchfit-release-memory",
+            )
         self._started = True
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
@@ -237,6 +244,19 @@ class Runtime:
             reading.limit.describe(), (reading.free_bytes or 0) >> 20,
         )  # fmt: skip
 
+    async def _release_memory_when_quiet(self, quiet_s: float) -> None:
+        """After each busy spell, once quiet for ``quiet_s``, return the allocator's free
+        memory to the OS. On the model thread: it never blocks the event loop, and a batch
+        that arrives meanwhile waits the few milliseconds instead of racing it for the heap."""
+        while True:
+            await self.work.wait_quiet(quiet_s)
+            released = await self.model_thread.call(release_host_memory)
+            if released is None:
+                log.info("no glibc: free heap memory is not handed back when quiet")
+                return
+            self.memory_metrics.host_released.inc(released)
+            self.memory_metrics.host_last_release.set_to_current_time()
+
     def _batcher_done(self, task: asyncio.Task[None]) -> None:
         """The batcher only ends on its own by crashing. Policy: its requests got 500, the
         replica turns not ready and the process exits non-zero (``on_fatal``) so that the
@@ -281,6 +301,10 @@ class Runtime:
 
     async def stop(self) -> None:
         self.metrics.ready.set(0)
+        if self._release_task is not None:
+            self._release_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._release_task
         if self._task is not None:
             self._task.cancel()
             # A crashed batcher's exception was logged when it ended.

@@ -11,15 +11,18 @@ from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from batching import Pending
+from batching import Clock, MonotonicClock, Pending
 
 
 class WorkTracker:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, clock: Clock | None = None) -> None:
         self.active_requests = 0
+        self._clock = clock or MonotonicClock()
         self._open: set[asyncio.Future[object]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._admitted = asyncio.Event()  # set by every request; cleared by wait_quiet
+        self._last_end_s = self._clock.now()
         self._loop: asyncio.AbstractEventLoop | None = None
         Gauge(
             "batchfit_active_infer_requests",
@@ -51,11 +54,13 @@ class WorkTracker:
         """Count one request from admission to its answer."""
         self.active_requests += 1
         self._idle.clear()
+        self._admitted.set()
         try:
             yield
         finally:
             self.active_requests -= 1
             if self.active_requests == 0:
+                self._last_end_s = self._clock.now()
                 self._idle.set()
 
     def track(self, pendings: Sequence[Pending]) -> None:
@@ -80,6 +85,16 @@ class WorkTracker:
         except TimeoutError:
             return False
         return True
+
+    async def wait_quiet(self, quiet_s: float) -> None:
+        """Wait until a request has been admitted since the last return, and then none has
+        been in progress for ``quiet_s`` seconds. One waiter at a time."""
+        await self._admitted.wait()
+        while True:
+            await self._idle.wait()
+            self._admitted.clear()
+            if not await self._clock.wait(self._admitted, self._last_end_s + quiet_s):
+                return
 
     def _num_tasks(self) -> int:
         loop = self._loop
