@@ -87,14 +87,17 @@ import time, torch
 torch.set_num_threads(2)
 a = torch.randn(256, 256)
 spun = []
-for _ in range(5):
+for _ in range(7):
     for _ in range(20):
         a @ a
     started = time.process_time()
     time.sleep(0.05)
     spun.append(time.process_time() - started)
-print(sorted(spun)[2] * 1e3)
+print(min(spun) * 1e3)
 """
+# NOTE: the least of seven: libgomp's default spins after every parallel region, so each
+# sample would show it, while another process's load only ever adds CPU time to a sample
+# (a worker descheduled mid-matmul finishes its share during the sleep).
 
 
 @pytest.mark.skipif(available_cpus() < 2, reason="OpenMP's idle workers need 2 CPUs to spin")
