@@ -3,6 +3,7 @@ policy they carry, and agreement with Settings, the routes, the Dockerfile and N
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import functools
 import re
@@ -340,13 +341,30 @@ def test_a_replica_started_with_the_manifests_env_answers_every_probe_and_serves
             url = f"http://127.0.0.1:{ports[probe['port']]}{probe['path']}"
             assert httpx.get(url, timeout=spec[name]["timeoutSeconds"]).status_code == 200, name
         monitor = find(docs, "ServiceMonitor")["spec"]["endpoints"][0]
-        scrape = httpx.get(f"http://127.0.0.1:{ports[monitor['port']]}{monitor['path']}", timeout=5)
+        metrics_url = f"http://127.0.0.1:{ports[monitor['port']]}{monitor['path']}"
+
+        def scrape_metrics() -> str:
+            return httpx.get(metrics_url, timeout=5).text
+
+        scrape = httpx.get(metrics_url, timeout=5)
         assert scrape.status_code == 200
         assert re.search(rf"^{metric} \d", scrape.text, re.MULTILINE)
         # The Service's port serves the API, not the metrics.
         assert httpx.get(f"{server.url}/metrics", timeout=5).status_code == 404
-        # SIGTERM starts the drain: readiness turns 503 at once while liveness stays 200.
-        server.process.send_signal(signal.SIGTERM)
-        ready = httpx.get(f"{server.url}{spec['readinessProbe']['httpGet']['path']}", timeout=5)
-        live = httpx.get(f"{server.url}{spec['livenessProbe']['httpGet']['path']}", timeout=5)
-        assert (ready.status_code, live.status_code) == (503, 200)
+        # SIGTERM starts the drain: readiness turns 503 at once while liveness stays 200. A
+        # request in flight holds the drain open (an idle replica drains and exits at once).
+        texts = [" ".join(["memory"] * 200) + f" {i}" for i in range(128)]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            work = pool.submit(
+                httpx.post, f"{server.url}/v1/infer", json={"inputs": texts}, timeout=120
+            )
+            while not re.search(r"^batchfit_queue_depth [1-9]", scrape_metrics(), re.M):
+                assert not work.done(), work.result().text
+            server.process.send_signal(signal.SIGTERM)
+            probes = {
+                name: httpx.get(f"{server.url}{spec[name]['httpGet']['path']}", timeout=5)
+                for name in ("readinessProbe", "livenessProbe")
+            }
+            assert work.result().status_code == 200  # admitted before the signal: answered
+        assert probes["readinessProbe"].status_code == 503, probes
+        assert probes["livenessProbe"].status_code == 200, probes
