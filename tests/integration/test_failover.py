@@ -47,7 +47,8 @@ def test_sigkill_mid_run_no_client_sees_a_failure(tmp_path):
         )  # fmt: skip
         assert state["killed_at"] is not None, "no request was ever stuck on the frozen replica"
         assert cluster.process.poll() is None  # the launcher keeps running without it
-        entries = access_log(cluster.access_log_path, "failover")
+        # Nginx writes a request's line only after it has answered it: wait for all of them.
+        entries = access_log(cluster.access_log_path, "failover", expect=LOAD_REQUESTS)
         models = httpx.get(f"{cluster.url}/v1/models", timeout=10)
 
     assert run.failures == [], run.failures[:5]
