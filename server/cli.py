@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings
 from bench.cli import add_bench_flags, bench
 
 from .app import create_app
+from .one_write import OneWriteHTTPProtocol
 from .runtime.drain import DrainingServer
 from .runtime.plan import PLAN_FIELDS, memory_plan
 from .settings import LauncherSettings, Settings
@@ -107,6 +108,9 @@ def serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # One write per response: a replica that dies leaves Nginx all of an answer or none of
+        # it, and none is retried elsewhere (server/one_write.py).
+        http=OneWriteHTTPProtocol,
         # uvicorn's loggers go through ours (one format) instead of its own config.
         log_config=None,
         access_log=False,

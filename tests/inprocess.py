@@ -12,6 +12,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from server import Settings, create_app
+from server.one_write import OneWriteHTTPProtocol
 from server.runtime.drain import DrainingServer
 from tests.servers import free_port
 
@@ -45,8 +46,9 @@ def serve_in_thread(model, **settings) -> Iterator[LiveServer]:
     app = create_app(resolved, model=model, registry=registry)
     port = free_port()
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="on"
-    )
+        app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="on",
+        http=OneWriteHTTPProtocol,  # as server/cli.py serves
+    )  # fmt: skip
     runtime = app.state.runtime
     server = DrainingServer(
         config, drain=lambda: runtime.drain(resolved.drain_timeout_s), abort=runtime.abort

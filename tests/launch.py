@@ -222,6 +222,47 @@ class SilentUpstream:
         self._thread.join(5)
 
 
+class CutOffUpstream:
+    """An HTTP/1.1 upstream that dies mid-answer: it reads a request, writes ``sent`` (nothing,
+    or a response head that promises a body) and closes, as a replica SIGKILLed there would."""
+
+    def __init__(self, sent: bytes) -> None:
+        self.sent = sent
+        self.requests = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                # The whole request is read first, so the close is a FIN, not a reset.
+                data = b""
+                while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                    data += chunk
+                head, found, body = data.partition(b"\r\n\r\n")
+                if not found:
+                    continue  # closed before a whole request head
+                length = re.search(rb"(?im)^content-length: *(\d+)", head)
+                while length and len(body) < int(length.group(1)) and (chunk := conn.recv(65536)):
+                    body += chunk
+                self.requests += 1
+                conn.sendall(self.sent)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(5)
+
+
 class StatusUpstream:
     """A minimal HTTP/1.1 upstream that answers every request with one fixed response."""
 

@@ -47,9 +47,15 @@ def test_sigkill_mid_run_no_client_sees_a_failure(tmp_path):
         )  # fmt: skip
         assert state["killed_at"] is not None, "no request was ever stuck on the frozen replica"
         assert cluster.process.poll() is None  # the launcher keeps running without it
-        entries = access_log(cluster.access_log_path, "failover")
+        # Nginx writes a request's line only after it has answered it: wait for all of them.
+        entries = access_log(cluster.access_log_path, "failover", expect=LOAD_REQUESTS)
         models = httpx.get(f"{cluster.url}/v1/models", timeout=10)
+        error_log = cluster.workdir.joinpath("logs", "error.log").read_text()
 
+    # A replica killed between a response's head and its body would cut that client off: Nginx
+    # had the head and retries no more (test_nginx.py, ..._dies_after_its_head_...). Replicas
+    # send head and body in one write (server/one_write.py), so it has the whole or nothing.
+    assert "while reading upstream" not in error_log, error_log
     assert run.failures == [], run.failures[:5]
     assert len(entries) == LOAD_REQUESTS
     assert models.status_code == 200  # still serving after the run

@@ -8,7 +8,13 @@ import re
 import httpx
 import pytest
 
-from tests.launch import SilentUpstream, StatusUpstream, run_launcher, run_nginx
+from tests.launch import (
+    CutOffUpstream,
+    SilentUpstream,
+    StatusUpstream,
+    run_launcher,
+    run_nginx,
+)
 from tests.loadrun import access_log, load_run, served_by, shares
 from tests.servers import free_port
 
@@ -199,3 +205,56 @@ def test_a_replica_answering_503_is_retried_on_another(cluster, tmp_path):
     assert retried, entries
     assert draining.requests == len(retried)
     assert all(served_by(e) == cluster.address("replica-0") for e in entries)
+
+
+# A response head whose body never follows.
+PROMISING_HEAD = b"\r\n".join(
+    [b"HTTP/1.1 200 OK", b"content-type: application/json", b"content-length: 100", b"", b""]
+)
+
+
+@pytest.mark.parametrize(
+    ("sent", "retried"), [(b"", True), (PROMISING_HEAD, False)], ids=["no-head", "head"]
+)
+def test_a_replica_that_dies_after_its_head_cannot_be_retried(tmp_path, sent, retried):
+    """The limit of failover: Nginx takes a request to another replica only until it has read
+    a response head (proxy_next_upstream, non_idempotent or not, buffering or not). After that
+    the client gets a 200 that is cut off, which is why a replica sends a response's head and
+    body in one write (server/one_write.py)."""
+    dying = CutOffUpstream(sent)
+    healthy = StatusUpstream(200, b'{"ok":true}', {"content-type": "application/json"})
+    outcomes = {}
+    try:
+        with run_nginx(tmp_path, [dying.address, healthy.address]) as nginx:
+            # least_conn breaks the tie between idle replicas in turn: one of the first two
+            # requests goes to the dying one.
+            for n in range(2):
+                request_id = f"cut-{n}"
+                try:
+                    response = httpx.post(
+                        f"{nginx.url}/v1/infer", json={"inputs": "hi"},
+                        headers={"x-request-id": request_id}, timeout=30,
+                    )  # fmt: skip
+                    outcomes[request_id] = response.status_code
+                except httpx.RemoteProtocolError as exc:
+                    outcomes[request_id] = str(exc)
+            entries = {e["request_id"]: e for e in nginx.access_entries(expect=2)}
+            error_log = (nginx.prefix / "logs" / "error.log").read_text()
+    finally:
+        dying.close()
+        healthy.close()
+    assert dying.requests == 1
+    (cut,) = [e for e in entries.values() if e["upstream_addr"].startswith(dying.address)]
+    if retried:
+        assert outcomes[cut["request_id"]] == 200
+        assert cut["upstream_status"] == "502, 200" and served_by(cut) == healthy.address
+        assert "while reading response header from upstream" in error_log
+    else:
+        assert outcomes[cut["request_id"]] == (
+            "peer closed connection without sending complete message body "
+            "(received 0 bytes, expected 100)"
+        )
+        assert cut["upstream_addr"] == dying.address  # no second replica was asked
+        assert cut["status"] == 200  # the head had already gone to the client
+        assert "upstream prematurely closed connection while reading upstream" in error_log
+    assert [outcomes[rid] for rid in outcomes if rid != cut["request_id"]] == [200]
