@@ -1,8 +1,8 @@
 """How long a forward pass takes, learned from the batches that ran.
 
 ``seconds = a + b·n·L + c·n·L²`` for ``n`` items padded to ``L`` tokens: ``a`` is paid once
-per pass (on a CPU, streaming every weight through memory: 13 ms for the bundled model on
-our 2-core host, as much as 50 padded tokens), ``b`` per padded token, ``c`` the attention
+per pass (on a CPU, streaming every weight through memory: 4.5 ms for the bundled model on
+our 2-core host, as much as 40 padded tokens), ``b`` per padded token, ``c`` the attention
 term that grows with length. The planner weighs padding against an extra pass with it.
 """
 

@@ -152,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.requests} requests ({inputs} inputs, {args.long_share:.0%} at the maximum "
               f"length, to two models at random), {args.concurrency} clients, memory limit "
               f"{limit} MiB in all")  # fmt: skip
-        print(f"{'setup':<30}{'inputs/s':>10}{'p50 s':>8}{'p99 s':>8}{'failed':>8}"
+        print(f"{'setup':<36}{'inputs/s':>10}{'p50 s':>8}{'p99 s':>8}{'failed':>8}"
               f"{'peak RSS MiB':>14}  statuses")  # fmt: skip
         for name, flag_lists, route in setups:
             result = run_setup(name, flag_lists, route, workload, args.concurrency, args.log_dir)
-            print(f"{result.name:<30}{result.inputs_per_s:>10.1f}{result.p50_s:>8.2f}"
+            print(f"{result.name:<36}{result.inputs_per_s:>10.1f}{result.p50_s:>8.2f}"
                   f"{result.p99_s:>8.2f}{result.failed:>8}{result.peak_rss_mib:>14.0f}  "
                   f"{dict(result.statuses)}", flush=True)  # fmt: skip
     return 0
