@@ -1,4 +1,4 @@
-"""Adaptive sizing against fixed batch sizes under one memory limit (issue 3's benchmark).
+"""Adaptive sizing against fixed batch sizes under one memory limit.
 
 Each setting runs the same seeded mixed-length workload against a fresh replica started with
 the same ``--memory-limit``. Fixed sizes behave as most servers do: an OOM fails the whole
@@ -120,20 +120,26 @@ async def drive(
     return latencies, statuses, ok_inputs
 
 
-def run_setting(name, flags, workload, concurrency, log_dir) -> Result:
-    with start_replica(flags, log_dir=log_dir / name) as replica:
-        url = replica.url
-        requests = [(f"{url}/v1/infer", {"inputs": text, "timeout_s": 300}) for text in workload]
-        sampler = RssSampler(replica)
-        sampler.start()
-        started = time.perf_counter()
-        latencies, statuses, ok_inputs = asyncio.run(drive(requests, concurrency))
-        elapsed = time.perf_counter() - started
-        sampler.stop.set()
-        sampler.join()
-        scrape = httpx.get(f"{url}/metrics").text
+def measure(
+    name: str, requests: list[tuple[str, dict[str, object]]], concurrency: int, *replicas: Replica
+) -> Result:
+    """Send ``requests`` closed-loop while sampling the replicas' summed RSS; the figures,
+    with the OOM events the replicas counted."""
+    sampler = RssSampler(*replicas)
+    sampler.start()
+    started = time.perf_counter()
+    latencies, statuses, ok_inputs = asyncio.run(drive(requests, concurrency))
+    elapsed = time.perf_counter() - started
+    sampler.stop.set()
+    sampler.join()
     ooms = sum(
-        float(v) for v in re.findall(r"^batchfit_oom_events_total\{.*\} (\S+)$", scrape, re.M)
+        float(v)
+        for replica in replicas
+        for v in re.findall(
+            r"^batchfit_oom_events_total\{.*\} (\S+)$",
+            httpx.get(f"{replica.url}/metrics").text,
+            re.M,
+        )
     )
     latencies.sort()
     return Result(
@@ -146,6 +152,13 @@ def run_setting(name, flags, workload, concurrency, log_dir) -> Result:
         oom_events=ooms,
         peak_rss_mib=sampler.peak_bytes / 2**20,
     )
+
+
+def run_setting(name, flags, workload, concurrency, log_dir) -> Result:
+    with start_replica(flags, log_dir=log_dir / name) as replica:
+        url = replica.url
+        requests = [(f"{url}/v1/infer", {"inputs": text, "timeout_s": 300}) for text in workload]
+        return measure(name, requests, concurrency, replica)
 
 
 def main(argv: list[str] | None = None) -> int:

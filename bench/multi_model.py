@@ -16,15 +16,11 @@ import argparse
 import asyncio
 import os
 import random
-import statistics
 import sys
 import tempfile
-import time
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
-from .memory_limit import RssSampler, drive, make_workload
+from .memory_limit import Result, drive, make_workload, measure
 from .servers import start_replicas
 
 EMBEDDER, CLASSIFIER = "embed", "classify"
@@ -49,17 +45,6 @@ def save_classifier(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-@dataclass
-class Result:
-    name: str
-    inputs_per_s: float
-    p50_s: float
-    p99_s: float
-    failed: int
-    statuses: Counter
-    peak_rss_mib: float
-
-
 def run_setup(
     name: str,
     flag_lists: list[list[str]],
@@ -76,23 +61,7 @@ def run_setup(
             for model, inputs in workload
         ]  # fmt: skip
         asyncio.run(drive(requests[:8], 4))  # a first request per model, not measured
-        sampler = RssSampler(*replicas)
-        sampler.start()
-        started = time.perf_counter()
-        latencies, statuses, ok_inputs = asyncio.run(drive(requests, concurrency))
-        elapsed = time.perf_counter() - started
-        sampler.stop.set()
-        sampler.join()
-    latencies.sort()
-    return Result(
-        name=name,
-        inputs_per_s=ok_inputs / elapsed,
-        p50_s=statistics.median(latencies),
-        p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-        failed=sum(n for code, n in statuses.items() if code != 200),
-        statuses=statuses,
-        peak_rss_mib=sampler.peak_bytes / 2**20,
-    )
+        return measure(name, requests, concurrency, *replicas)
 
 
 def mixed_workload(num_requests: int, seed: int, long_share: float) -> list[tuple[str, list[str]]]:

@@ -334,6 +334,24 @@ def layout(rows: tuple[tuple[str, Any], ...]) -> list[Panel]:
     return panels
 
 
+def _query_variable(name: str, label: str, query: str) -> dict[str, Any]:
+    """A dashboard variable over a label's values; several or all may be picked."""
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "query": {"query": query, "refId": "A"},
+        "definition": query,
+        "refresh": 2,
+        "multi": True,
+        "includeAll": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+    }
+
+
 def batchfit_dashboard() -> dict[str, Any]:
     return {
         "uid": "batchfit",
@@ -349,34 +367,8 @@ def batchfit_dashboard() -> dict[str, Any]:
         "annotations": {"list": []},
         "templating": {
             "list": [
-                {
-                    "name": "instance",
-                    "label": "Replica",
-                    "type": "query",
-                    "datasource": DATASOURCE,
-                    "query": {"query": "label_values(batchfit_ready, instance)", "refId": "A"},
-                    "definition": "label_values(batchfit_ready, instance)",
-                    "refresh": 2,
-                    "multi": True,
-                    "includeAll": True,
-                    "allValue": ".*",
-                    "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-                    "sort": 1,
-                },
-                {
-                    "name": "model",
-                    "label": "Model",
-                    "type": "query",
-                    "datasource": DATASOURCE,
-                    "query": {"query": "label_values(batchfit_model_info, model)", "refId": "A"},
-                    "definition": "label_values(batchfit_model_info, model)",
-                    "refresh": 2,
-                    "multi": True,
-                    "includeAll": True,
-                    "allValue": ".*",
-                    "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-                    "sort": 1,
-                },
+                _query_variable("instance", "Replica", "label_values(batchfit_ready, instance)"),
+                _query_variable("model", "Model", "label_values(batchfit_model_info, model)"),
             ]
         },
         "panels": layout(ROWS),

@@ -1,7 +1,7 @@
 """The replica's runtime: composes models, queue and batcher and owns their lifetimes."""
 
-from .runtime import INLINE_TOKENIZE_CHARS, Runtime, make_sizer
-from .slot import ModelSlot
+from .runtime import INLINE_TOKENIZE_CHARS, Runtime
+from .slot import ModelSlot, make_sizer
 from .trace import RequestTrace
 from .tracking import WorkTracker
 

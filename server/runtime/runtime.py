@@ -15,11 +15,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from batching import (
-    AdaptiveSizer,
     Batcher,
     BatchingMetrics,
     Clock,
-    FixedSizer,
     MemoryMetrics,
     MemoryProbe,
     ModelThread,
@@ -29,17 +27,16 @@ from batching import (
     ShuttingDown,
     Sizer,
     limit_address_space,
-    prior_peak_model,
     probes_for_device,
     release_host_memory,
 )
-from models import BatchProfiler, DeviceError, Model, ModelInfo, ModelOutOfMemory, load_model
+from models import BatchProfiler, DeviceError, Model, ModelOutOfMemory, load_model
 
 from ..errors import ApiError, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
-from .slot import ModelSlot
+from .slot import ModelSlot, by_name, make_sizer, make_slots
 from .trace import RequestTrace
 from .tracking import WorkTracker
 
@@ -70,7 +67,7 @@ class Runtime:
     ) -> None:
         self.settings = settings
         self.config = settings.server_config()
-        self._slots = _make_slots(settings, model=model, models=models, sizer=sizer)
+        self._slots = make_slots(settings, model=model, models=models, sizer=sizer)
         self.slots: dict[str, ModelSlot] = {}
         """Every model by name, the default first; filled once all of them have loaded."""
         self.clock = clock or MonotonicClock()
@@ -157,7 +154,7 @@ class Runtime:
         started = time.perf_counter()
         for slot in self._slots:
             await self._load(slot)
-        self.slots = _by_name(self._slots)
+        self.slots = by_name(self._slots)
         info = self._slots[0].info  # every model shares the device
         if self.probe is None:
             self.probe = probes_for_device(
@@ -404,44 +401,3 @@ class Runtime:
             self.batching_metrics.queue_depth.set(len(self.queue))
             trace.record(pendings)
         return outputs, trace.tokens
-
-
-def _make_slots(
-    settings: Settings,
-    *,
-    model: Model | None,
-    models: Mapping[str, Model] | None,
-    sizer: Sizer | None,
-) -> list[ModelSlot]:
-    if models is not None:
-        spec = settings.model_spec()
-        slots = [ModelSlot(settings, spec, name=name, model=m) for name, m in models.items()]
-    else:
-        slots = [ModelSlot(settings, spec, name=name) for name, spec in settings.model_specs()]
-        slots[0].model = model
-    slots[0].sizer = sizer
-    return slots
-
-
-def _by_name(slots: Sequence[ModelSlot]) -> dict[str, ModelSlot]:
-    by_name: dict[str, ModelSlot] = {}
-    for slot in slots:
-        if slot.name in by_name:
-            raise RuntimeError(
-                f"two models serve under the name {slot.name!r}; name them: --model NAME=SOURCE"
-            )
-        by_name[slot.name] = slot
-    return by_name
-
-
-def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
-    if settings.sizer == "fixed":
-        return FixedSizer(settings.max_batch_size, settings.max_batch_tokens)
-    shape = info.shape
-    prior = prior_peak_model(
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_heads=shape.num_heads,
-        element_bytes=shape.element_bytes,
-    )
-    return AdaptiveSizer(prior, settings.adaptive_config())

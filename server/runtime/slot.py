@@ -8,15 +8,18 @@ own time model and metric series.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 
 from batching import (
     AdaptiveSizer,
     Batcher,
+    FixedSizer,
     Lane,
     MemoryProbe,
     MemoryReading,
     Sizer,
     largest_batch,
+    prior_peak_model,
     tune_host_allocator,
 )
 from models import BatchProfiler, Model, ModelInfo, ModelOutOfMemory, ModelSpec
@@ -141,6 +144,50 @@ class ModelSlot:
                 model.alpha, model.beta,
                 "none" if ceiling == float("inf") else f"{ceiling / 2**20:.0f} MiB",
             )  # fmt: skip
+
+
+def make_slots(
+    settings: Settings,
+    *,
+    model: Model | None,
+    models: Mapping[str, Model] | None,
+    sizer: Sizer | None,
+) -> list[ModelSlot]:
+    """One slot per served model, the default first: ``models`` by name, else the settings'
+    ``--model`` list with ``model`` (if given) in place of the default's loading."""
+    if models is not None:
+        spec = settings.model_spec()
+        slots = [ModelSlot(settings, spec, name=name, model=m) for name, m in models.items()]
+    else:
+        slots = [ModelSlot(settings, spec, name=name) for name, spec in settings.model_specs()]
+        slots[0].model = model
+    slots[0].sizer = sizer
+    return slots
+
+
+def by_name(slots: Sequence[ModelSlot]) -> dict[str, ModelSlot]:
+    """The loaded slots by the name clients route by; two alike are a start-up error."""
+    by_name: dict[str, ModelSlot] = {}
+    for slot in slots:
+        if slot.name in by_name:
+            raise RuntimeError(
+                f"two models serve under the name {slot.name!r}; name them: --model NAME=SOURCE"
+            )
+        by_name[slot.name] = slot
+    return by_name
+
+
+def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
+    if settings.sizer == "fixed":
+        return FixedSizer(settings.max_batch_size, settings.max_batch_tokens)
+    shape = info.shape
+    prior = prior_peak_model(
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_heads=shape.num_heads,
+        element_bytes=shape.element_bytes,
+    )
+    return AdaptiveSizer(prior, settings.adaptive_config())
 
 
 def _kills(reading: MemoryReading | None) -> bool:
