@@ -93,6 +93,7 @@ class HostProbe:
         self._status = str(proc / "self" / "status")
         self._meminfo = str(proc / "meminfo")
         self._clear_refs = str(proc / "self" / "clear_refs")
+        self._proc = proc
         self.peak_resident_bytes = 0
         self._peak_lock = threading.Lock()
         if cgroup == "own":
@@ -145,6 +146,11 @@ class HostProbe:
             free_bytes=free, used_bytes=rss, resident_bytes=rss, resident_peak_bytes=peak,
             limit=MemoryLimit(*binding), sources=(self.name,),
         )  # fmt: skip
+
+    def settle(self) -> None:
+        """Before a calibration batch: hand the allocator's free memory back to the kernel,
+        so the batch's footprint shows in its peak instead of hiding in resident holes."""
+        release_host_memory(self._proc)
 
     def start_batch(self) -> int | None:
         if self._can_reset_peak:
@@ -286,6 +292,12 @@ class CompositeProbe:
             release = getattr(probe, "release_cache", None)
             if release is not None:
                 release()
+
+    def settle(self) -> None:
+        for probe in self.probes:
+            settle = getattr(probe, "settle", None)
+            if settle is not None:
+                settle()
 
 
 def _merge(a: MemoryReading, b: MemoryReading) -> MemoryReading:

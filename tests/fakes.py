@@ -103,10 +103,19 @@ class ScriptedProbe:
 
     name = "scripted"
 
-    def __init__(self, free_bytes: int, limit: MemoryLimit | None = None) -> None:
+    def __init__(
+        self,
+        free_bytes: int,
+        limit: MemoryLimit | None = None,
+        *,
+        model: ScriptedModel | None = None,
+    ) -> None:
         self.free_bytes = free_bytes
         self.limit = limit
         self.released = 0
+        self.model = model
+        self.settled_before: list[int] = []
+        """For each ``settle()``: how many batches ``model`` had run by then."""
 
     def read(self) -> MemoryReading:
         return MemoryReading(
@@ -121,6 +130,9 @@ class ScriptedProbe:
 
     def release_cache(self) -> None:
         self.released += 1
+
+    def settle(self) -> None:
+        self.settled_before.append(len(self.model.batch_sizes) if self.model else 0)
 
 
 class LoopBreakingModel(ScriptedModel):

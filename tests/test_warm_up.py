@@ -31,11 +31,12 @@ async def warm_up_sizes(registry, limit, *, max_batch_size=1024):
 @pytest.mark.parametrize(
     ("source", "sizes"),
     [
-        # The kernel kills past these limits: a quarter of each length's batch runs first.
+        # The kernel kills past these limits, and nothing fails at --memory-limit's value: a
+        # quarter of each length's batch runs first.
         ("cgroup", [1, 8, 32, 4, 16]),
         ("host", [1, 8, 32, 4, 16]),
-        # These fail an allocation instead, which warm-up already handles by halving.
-        ("flag", [1, 32, 16]),
+        ("flag", [1, 8, 32, 4, 16]),
+        # This fails an allocation instead, which warm-up already handles by halving.
         ("rlimit", [1, 32, 16]),
     ],
 )
@@ -48,3 +49,24 @@ async def test_where_memory_sets_the_warm_up_batch_a_killing_limit_gets_a_scout(
 async def test_no_scout_where_a_cap_sets_the_warm_up_batch(registry):
     limit = MemoryLimit("cgroup", 2**21, "/x")
     assert await warm_up_sizes(registry, limit, max_batch_size=8) == [1, 8, 8]
+
+
+async def test_memory_settles_before_every_calibration_batch_and_no_served_one(registry):
+    """A calibration batch reusing free blocks the allocator still holds would read a peak
+    below its real footprint, and every batch planned from it would overshoot."""
+    model = ScriptedModel(max_input_tokens=64)
+    probe = ScriptedProbe(2**20, MemoryLimit("rlimit", 2**21, "RLIMIT_AS"), model=model)
+    config = AdaptiveConfig(max_items=1024, max_tokens=10**6, headroom_fraction=0)
+    runtime = Runtime(
+        Settings(max_batch_size=1024, max_batch_tokens=10**6), registry=registry, model=model,
+        sizer=AdaptiveSizer(PeakModel(alpha=1024, beta=0), config), probe=probe,
+    )  # fmt: skip
+    await runtime.start()
+    try:
+        assert runtime.startup_error is None
+        calibrations = len(model.batch_sizes) - 1  # after the one-item pass that starts threads
+        assert probe.settled_before == list(range(1, 1 + calibrations)), probe.settled_before
+        await runtime.infer(["served"], truncate=True, timeout_s=10, request_id="r")
+        assert len(probe.settled_before) == calibrations
+    finally:
+        await runtime.stop()

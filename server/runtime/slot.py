@@ -191,8 +191,11 @@ def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
 
 
 def _kills(reading: MemoryReading | None) -> bool:
-    """Whether the binding limit is one the kernel enforces by killing (cgroup, host memory)
-    rather than one that fails an allocation (address space, device)."""
+    """Whether going past the binding limit gives no allocation error to lower the ceiling
+    on: the kernel kills (cgroup, host memory), or nothing enforces it at its value
+    (``--memory-limit`` is a promise: its address-space cap leaves room for thread stacks, so
+    resident memory can pass it silently). The address space and a device fail an
+    allocation instead."""
     return reading is not None and reading.limit is not None and reading.limit.source in (
-        "cgroup", "host",
+        "cgroup", "host", "flag",
     )  # fmt: skip
