@@ -1,8 +1,10 @@
 import pytest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batching import DeadlineExceeded, InferenceFailed, OutOfMemory, QueueFull, ShuttingDown
 from models import InputTooLong
-from server.errors import ApiError, to_api_error
+from server.errors import ERROR_TYPES, NGINX, REPLICA, ApiError, error_body, to_api_error
+from server.middleware import REJECTION_REASON
 
 
 @pytest.mark.parametrize(
@@ -29,3 +31,29 @@ def test_unexpected_errors_do_not_leak_their_text():
 
 def test_retry_after_on_overload():
     assert to_api_error(QueueFull(1, 1, 2.0)).retry_after_s == 2.0
+
+
+def test_an_error_type_missing_from_the_registry_is_refused():
+    with pytest.raises(ValueError, match=r"'made_up' is not in server/errors\.py ERROR_TYPES"):
+        ApiError(400, "made_up", "x")
+    with pytest.raises(ValueError, match="'overloaded' is not answered with status 503"):
+        ApiError(503, "overloaded", "x")
+    with pytest.raises(ValueError, match="not in"):
+        error_body("made_up", "x", "rid", status=400)
+    assert ApiError(400, "invalid_request", "x").status == 400  # each of its statuses
+    assert ApiError(422, "invalid_request", "x").status == 422
+
+
+def test_every_registered_type_is_answered_by_a_replica_or_nginx_and_has_a_meaning():
+    for kind in ERROR_TYPES.values():
+        assert kind.when and set(kind.answered_by) <= {REPLICA, NGINX}, kind
+    assert all(kind in ERROR_TYPES for kind in REJECTION_REASON), REJECTION_REASON
+
+
+@pytest.mark.parametrize(
+    ("status", "error_type"), [(400, "invalid_json"), (404, "not_found"),
+                               (405, "method_not_allowed"), (413, "payload_too_large")],
+)  # fmt: skip
+def test_the_frameworks_own_errors_map_to_registered_types(status, error_type):
+    api_error = to_api_error(StarletteHTTPException(status, "x"))
+    assert (api_error.status, api_error.error_type) == (status, error_type)
