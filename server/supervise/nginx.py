@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..public_api import nginx_location_regex
 from ..settings import LauncherSettings, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +67,7 @@ def render(config: NginxConfig, template: str | None = None) -> str:
         "rate_limit_rps": str(config.rate_limit_rps),
         "rate_limit_burst": str(config.rate_limit_burst),
         "upstream_keepalive_s": str(UPSTREAM_KEEP_ALIVE_S),
+        "api_location_regex": nginx_location_regex(),
         **_path_directives(config.prefix),
     }
     unknown = set(_PLACEHOLDER.findall(template)) - values.keys()

@@ -8,6 +8,10 @@ import re
 import httpx
 import pytest
 
+from models.loading import BUNDLED_MODEL
+from models.testing import save_tiny_model
+from server import Settings, create_app
+from server.public_api import public_api_routes
 from tests.launch import (
     CutOffUpstream,
     SilentUpstream,
@@ -26,13 +30,64 @@ LOAD_CLIENTS = 6
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    # The bundled embedder (the default) and a tiny cross-encoder, so that every API answers.
+    reranker = save_tiny_model(root / "rr", task="rerank", seed=3)
     with run_launcher(
-        tmp_path_factory.mktemp("cluster"),
+        root,
+        "--model", BUNDLED_MODEL, "--model", f"rr={reranker}",
         "--max-batch-size", "8", "--max-queue-items", "64", "--max-inputs-per-request", "100",
         "--rate-limit-rps", "1000", "--rate-limit-burst", "1000",
         replicas=3,
     ) as launch:  # fmt: skip
         yield launch
+
+
+V2_BODY = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]}
+# A request that succeeds on each public route that needs a body. A route missing here is
+# still sent (with an empty JSON object) and must reach a replica.
+EXAMPLE_BODIES = {
+    ("POST", "/v1/infer"): {"inputs": ["The cat sits on the mat.", "A second sentence"]},
+    # The README's rerank example.
+    ("POST", "/v1/rerank"): {"query": "what do cats eat", "top_n": 1, "return_documents": True,
+                             "documents": ["Cats eat fish.", "The market fell."]},
+    ("POST", "/v1/embeddings"): {"input": "hi", "model": BUNDLED_MODEL},
+    ("POST", "/v2/models/{name:path}/infer"): V2_BODY,
+    ("POST", "/v2/models/{name:path}/versions/{version}/infer"): V2_BODY,
+}  # fmt: skip
+
+
+def concrete(path: str) -> str:
+    return path.replace("{name:path}", BUNDLED_MODEL).replace("{version}", "1")
+
+
+def test_every_public_api_route_reaches_a_replica_through_nginx(cluster):
+    """Every route the app serves under /v1 and /v2 (read from the app itself, so a new one is
+    covered too) answers through Nginx as the replica answers it directly, and Nginx's access
+    log shows a replica answered."""
+    routes = [(method, route.path) for route in public_api_routes(create_app(Settings()))
+              for method in route.methods]  # fmt: skip
+    assert ("POST", "/v1/rerank") in routes and ("GET", "/v2/health/ready") in routes
+    assert set(EXAMPLE_BODIES) <= set(routes), set(EXAMPLE_BODIES) - set(routes)
+    direct_url = next(iter(cluster.replicas.values()))[0]
+    answers = {}
+    with httpx.Client(timeout=30) as client:
+        for index, (method, path) in enumerate(routes):
+            body = EXAMPLE_BODIES.get((method, path), {} if method == "POST" else None)
+            headers = {"x-request-id": f"route-{index}"}
+            through = client.request(method, cluster.url + concrete(path), json=body,
+                                     headers=headers)  # fmt: skip
+            direct = client.request(method, direct_url + concrete(path), json=body)
+            answers[method, path] = (through, direct)
+    entries = access_log(cluster.access_log_path, "route", expect=len(routes))
+    for index, ((method, path), (through, direct)) in enumerate(answers.items()):
+        assert entries[f"route-{index}"]["upstream_addr"] != "", (method, path)
+        assert through.status_code == direct.status_code, (method, path, through.text)
+        if method == "GET" or (method, path) in EXAMPLE_BODIES:
+            assert through.status_code == 200, (method, path, through.text)
+    rerank = answers["POST", "/v1/rerank"][0].json()
+    assert rerank["model"] == "rr"
+    assert rerank["results"][0]["document"]["text"] in ("Cats eat fish.", "The market fell.")
 
 
 def infer_count(metrics_url: str) -> float:
