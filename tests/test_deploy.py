@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -253,6 +254,22 @@ def test_services_and_published_ports(compose):
     published = {name: s["ports"] for name, s in services.items() if s.get("ports")}
     assert list(published) == ["nginx"]
     assert published["nginx"] == ["8000:80"]
+
+
+def project_version() -> str:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_replica_image_is_tagged_with_the_project_version_never_latest(compose):
+    images = {name: service["image"] for name, service in compose["services"].items()
+              if name in REPLICAS}  # fmt: skip
+    for name, image in images.items():
+        repository, _, tag = image.partition(":")
+        assert repository == "batchfit", name
+        # ${BATCHFIT_IMAGE_TAG:-default}: the tag a user sets, else the project's version.
+        match = re.fullmatch(r"\$\{BATCHFIT_IMAGE_TAG:-([^}]+)\}", tag)
+        assert match, (name, image)
+        assert match.group(1) == project_version() != "latest", (name, image)
 
 
 def test_every_upstream_nginx_names_is_a_replica_service(compose, nginx_conf):

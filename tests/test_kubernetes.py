@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import httpx
@@ -324,6 +325,14 @@ def test_autoscaling_metric_is_served_by_the_adapter_rule():
     assert (scaled["minReplicaCount"], scaled["maxReplicaCount"]) == (
         hpa["minReplicas"], hpa["maxReplicas"],
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_image_is_tagged_with_the_project_version_never_latest(overlay):
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    image = container(render(overlay))["image"]
+    repository, _, tag = image.rpartition(":")
+    assert repository == "batchfit" and tag == version != "latest", image
 
 
 def test_dockerfile_agrees_with_the_manifests():
