@@ -124,6 +124,20 @@ def target_table(rows: Sequence[Target]) -> str:
     return "\n".join(lines)
 
 
+QUICK_NOTE = (
+    "This was a quick run (`--quick`): a smoke test that shows the benchmark works end to end. "
+    "Its counts are small and its replicas start together, so its figures are not comparable "
+    "with the targets, which are left out. Run `batchfit bench` without `--quick` on an "
+    "otherwise idle host to measure against them."
+)
+
+
+def target_section(result: BenchResult) -> list[str]:
+    if result.options.quick:
+        return [QUICK_NOTE, ""]
+    return [target_table(targets(result)), ""]
+
+
 def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
     o, limit = result.options, result.limit
     load = ", ".join(f"{x:.2f}" for x in result.load_average)
@@ -163,8 +177,7 @@ def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
         *overhead_table(result.overhead),
         "## Targets",
         "",
-        target_table(targets(result)),
-        "",
+        *target_section(result),
     ]
     if plots:
         parts += [
@@ -191,7 +204,8 @@ def to_json(result: BenchResult) -> dict[str, object]:
         return value
 
     data = dataclasses.asdict(result)
-    data["targets"] = [dataclasses.asdict(t) for t in targets(result)]
+    reported = [] if result.options.quick else targets(result)
+    data["targets"] = [dataclasses.asdict(t) for t in reported]
     return clean(data)  # type: ignore[return-value]
 
 
