@@ -16,6 +16,7 @@ REPORT = "report.md"
 FIGURES = "results.json"
 THROUGHPUT_PLOT = "throughput_vs_p99.png"
 TIMELINE_PLOT = "timeline.png"
+BATCH_COLOR = "#1f77b4"
 
 
 def _ms(seconds: float) -> str:
@@ -243,7 +244,9 @@ def plot_timeline(result: BenchResult, path: Path) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     series = batch_size_series(result.timeline)
-    top.plot([t for t, _ in series], [b for _, b in series], "-", drawstyle="steps-pre")
+    # Points as well as lines: a load level short enough to give one point still shows.
+    top.plot([t for t, _ in series], [b for _, b in series], "o-", markersize=3,
+             drawstyle="steps-pre", color=BATCH_COLOR)  # fmt: skip
     top.set_ylabel("mean batch size")
     top.set_title(f"{result.timeline_config} at {result.timeline_load}")
     top.grid(True, alpha=0.3)
