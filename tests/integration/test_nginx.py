@@ -16,6 +16,7 @@ from tests.launch import (
     CutOffUpstream,
     SilentUpstream,
     StatusUpstream,
+    free_port_range,
     run_launcher,
     run_nginx,
 )
@@ -36,6 +37,7 @@ def cluster(tmp_path_factory):
     with run_launcher(
         root,
         "--model", BUNDLED_MODEL, "--model", f"rr={reranker}",
+        "--replica-ports", str(free_port_range(2 * 3)),
         "--max-batch-size", "8", "--max-queue-items", "64", "--max-inputs-per-request", "100",
         "--rate-limit-rps", "1000", "--rate-limit-burst", "1000",
         replicas=3,
@@ -98,6 +100,13 @@ def infer_count(metrics_url: str) -> float:
 
 def test_launcher_prints_the_url_and_every_replica(cluster):
     assert len(cluster.replicas) == 3
+    # --replica-ports START: HTTP on START, START+1, START+2; metrics on START+3 to START+5.
+    ports = [int(url.rsplit(":", 1)[1]) for url, _ in cluster.replicas.values()]
+    metrics = [int(url.rsplit(":", 1)[1].split("/")[0]) for url in cluster.metrics_urls.values()]
+    start = ports[0]
+    assert ports == [start, start + 1, start + 2] and metrics == [start + 3, start + 4, start + 5]
+    for url, _ in cluster.replicas.values():
+        assert httpx.get(f"{url}/health/ready", timeout=10).status_code == 200
     assert f"batchfit up: {cluster.url} (3 replicas behind nginx" in cluster.output()
     response = httpx.get(f"{cluster.url}/v1/models", timeout=10)
     assert response.status_code == 200
