@@ -114,7 +114,7 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="torch intra-op threads on CPU; default: every CPU the process may use "
-        "(torch's own default), the fastest on 2 vCPUs both idle and under load.",
+        "(torch's own default).",
     )
     max_body_bytes: int = Field(
         2 * 2**20, ge=1024, description="Largest request body accepted; beyond it 413."

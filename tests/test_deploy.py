@@ -26,6 +26,7 @@ from server.supervise.nginx import (
     compose_config,
     render,
 )
+from server.supervise.nginx import main as nginx_main
 from tests.ci import unavailable
 from tests.launch import require_nginx
 
@@ -85,10 +86,9 @@ def seconds(value: str) -> float:
 
 def test_checked_in_compose_config_is_the_template_rendered():
     assert COMPOSE_CONFIG_PATH.read_text() == render(compose_config()), (
-        "deploy/nginx/nginx.conf drifted from the template: rewrite it with "
-        "python -c 'from server.supervise.nginx import *; COMPOSE_CONFIG_PATH.write_text(render("
-        "compose_config()))'"
+        "deploy/nginx/nginx.conf drifted from the template: run python -m server.supervise.nginx"
     )
+    assert nginx_main(["--check"]) == 0
 
 
 def test_render_refuses_unknown_placeholders_and_empty_upstreams():

@@ -1,6 +1,8 @@
 """The generated parts of the user docs match the code: flags from Settings, error types from
 server/errors.py, metrics from a replica's registry."""
 
+import re
+
 import pytest
 from pydantic import Field
 
@@ -76,3 +78,29 @@ def test_a_new_error_type_makes_the_error_table_stale():
     table = error_table(kinds)
     assert table != error_table()
     assert "| 418 | `teapot` | replica | asked for coffee |" in table
+
+
+# Phrases of notes on how the work was done, which have no place in a user's guide.
+DEVELOPMENT_NOTES = (
+    r"\bissue #?\d+",
+    r"(?<![\w&/])#\d+\b",
+    r"\ba test fails\b",
+    r"\bsoak test\b",
+    r"\bour hosts?\b",
+    r"\buntil you do\b",
+    r"\bfastest on \d+ vCPUs\b",
+)
+
+
+def test_user_docs_carry_no_development_notes():
+    """The README, docs/ (but the developers' own page) and pyproject's comments speak to
+    users."""
+    paths = [ROOT / "README.md", ROOT / "pyproject.toml", *sorted((ROOT / "docs").glob("*.md"))]
+    found = []
+    for path in paths:
+        if path.name == "development.md":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            found += [f"{path.name}:{number}: {line}" for pattern in DEVELOPMENT_NOTES
+                      if re.search(pattern, line, re.IGNORECASE)]  # fmt: skip
+    assert found == []
