@@ -59,7 +59,7 @@ def test_the_frameworks_own_errors_map_to_registered_types(status, error_type):
     assert (api_error.status, api_error.error_type) == (status, error_type)
 
 
-def _literal_error_types() -> list[tuple[str, int, int | None, str]]:
+def _literal_error_types() -> list[tuple[str, int | None, str]]:
     """(file:line, status, error_type) of every ApiError-like call in server/ whose type is a
     literal: the registry is checked at construction, and this finds the paths no test runs."""
     import ast
