@@ -45,8 +45,8 @@ def public_api_routes(app: FastAPI) -> list[ApiRoute]:
     """The public API routes ``app`` serves, in the order it matches them."""
     routes = []
     for route in iter_route_contexts(app.routes):
-        path = route.path
-        if path is not None and route.methods and is_public_api(path):
-            methods = tuple(sorted(set(route.methods) - {"HEAD"}))
+        path, methods = getattr(route, "path", None), getattr(route, "methods", None)
+        if path is not None and methods and is_public_api(path):
+            methods = tuple(sorted(set(methods) - {"HEAD"}))
             routes.append(ApiRoute(path, methods))
     return routes
