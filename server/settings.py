@@ -114,7 +114,7 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="torch intra-op threads on CPU; default: every CPU the process may use "
-        "(torch's own default), the fastest on 2 vCPUs both idle and under load.",
+        "(torch's own default).",
     )
     max_body_bytes: int = Field(
         2 * 2**20, ge=1024, description="Largest request body accepted; beyond it 413."
@@ -323,6 +323,14 @@ class LauncherSettings(BaseSettings):
     replicas: int = Field(2, ge=1, le=64, description="Number of replicas to start.")
     host: str = Field("127.0.0.1", description="Address Nginx listens on.")
     port: int = Field(8080, ge=1, le=65535, description="Port Nginx listens on.")
+    replica_ports: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="First of the consecutive loopback ports the replicas listen on, for hosts "
+        "with firewall rules: with N replicas, replica i serves HTTP on START+i and /metrics on "
+        "START+N+i (START to START+2N-1 in all). Unset: free ports picked at start.",
+    )
     rate_limit_rps: int = Field(
         100, ge=1, description="Requests per second per client before Nginx answers 429."
     )
@@ -363,3 +371,20 @@ class LauncherSettings(BaseSettings):
         description="A replica that stays up this long is healthy again: its next restart "
         "waits restart_backoff_s again.",
     )
+
+    @model_validator(mode="after")
+    def _check_replica_ports(self) -> LauncherSettings:
+        if self.replica_ports is None:
+            return self
+        last = self.replica_ports + 2 * self.replicas - 1
+        if last > 65535:
+            raise ValueError(
+                f"replica_ports {self.replica_ports} with {self.replicas} replicas needs ports up "
+                f"to {last}, past 65535"
+            )
+        if self.replica_ports <= self.port <= last:
+            raise ValueError(
+                f"port {self.port} (Nginx's) lies inside the replica ports "
+                f"{self.replica_ports}-{last}"
+            )
+        return self

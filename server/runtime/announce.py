@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from batching import AdaptiveSizer
+from batching import AdaptiveSizer, MemoryReading, Sizer
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -22,11 +22,8 @@ def _mib(value: float) -> str:
     return f"{value / MiB:,.0f} MiB"
 
 
-def memory_budget(runtime: Runtime) -> str:
-    """The sizer's limits for the next batch, as an operator reads them."""
-    sizer = runtime.sizer
-    assert sizer is not None
-    reading = runtime.probe.read() if runtime.probe is not None else None
+def memory_budget(sizer: Sizer, reading: MemoryReading | None) -> str:
+    """A sizer's limits for the next batch, as an operator reads them."""
     budget = sizer.budget(reading)
     caps = f"at most {budget.max_items} items, {budget.max_tokens} padded tokens"
     if not isinstance(sizer, AdaptiveSizer):
@@ -46,17 +43,21 @@ def memory_budget(runtime: Runtime) -> str:
 
 def ready_line(runtime: Runtime, elapsed_s: float) -> str:
     """``ready in 4.7s: http://127.0.0.1:8000 serves <model> (embed) on cpu, float32; ...``;
-    with several models, each by name and task, the default first."""
+    with several models, each by name and task, the default first, and each one's budget
+    (every model has its own sizer, read against the same free memory)."""
     slots = list(runtime.slots.values())
     info = slots[0].info  # every model shares the device
     served = ", ".join(f"{slot.name} ({slot.info.task})" for slot in slots)
     settings = runtime.settings
     url = base_url(settings.host, settings.port)
     where = " (all interfaces)" if settings.host in ("0.0.0.0", "::") else ""
-    budget = memory_budget(runtime)
-    if len(slots) > 1:
-        budget = f"{slots[0].name}: {budget}"
+    reading = runtime.probe.read() if runtime.probe is not None else None
+    budgets = []
+    for slot in slots:
+        assert slot.sizer is not None
+        budget = memory_budget(slot.sizer, reading)
+        budgets.append(f"{slot.name}: {budget}" if len(slots) > 1 else budget)
     return (
         f"ready in {elapsed_s:.1f}s: {url}{where} serves {served} on {info.device}, "
-        f"{info.dtype}; {budget}; status page {url}/status"
+        f"{info.dtype}; {'; '.join(budgets)}; status page {url}/status"
     )
