@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from batching import DeadlineExceeded, InferenceFailed, OutOfMemory, QueueFull, ShuttingDown
-from models import InputTooLong
+from models import InputTooLong, UnknownPrompt
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,8 @@ def to_api_error(exc: BaseException) -> ApiError:
             return ApiError(429, "overloaded", str(exc), retry_after_s=exc.retry_after_s)
         case InputTooLong():
             return ApiError(413, "input_too_long", str(exc))
+        case UnknownPrompt():
+            return ApiError(400, "unknown_prompt", str(exc))
         case DeadlineExceeded():
             return ApiError(504, "deadline_exceeded", str(exc))
         case OutOfMemory():
