@@ -104,4 +104,5 @@ async def test_the_ready_line_names_every_model_default_first(registry, caplog):
     async with running({"a": ScriptedModel(), "b": classifier()}, registry):
         pass
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in")]
-    assert " serves a (embed: 1 dims), b (classify) on cpu, float32; a: fixed batches (" in line, line
+    expected = " serves a (embed: 1 dims), b (classify) on cpu, float32; a: fixed batches ("
+    assert expected in line, line
