@@ -133,7 +133,7 @@ def convert_hint(source: Path, target: Path) -> str:
     """One command that rewrites a pickle checkpoint as safetensors (loading it with
     ``weights_only=True``, which runs no code from the file)."""
     return (
-        "convert it to safetensors in one command: python -c \"import sys, torch; "
+        'convert it to safetensors in one command: python -c "import sys, torch; '
         "from safetensors.torch import save_file; state = torch.load(sys.argv[1], "
         "map_location='cpu', weights_only=True); save_file({k: v.contiguous().clone() "
         "for k, v in state.items()}, sys.argv[2], metadata={'format': 'pt'})\" "
@@ -355,8 +355,7 @@ def _dense(folder: Path, config: Mapping[str, Any], name: str) -> Dense:
         if pickled.is_file():
             raise ModelLoadError(
                 f"model {name!r}: its Dense module {folder.name!r} has pickle weights only "
-                "(pytorch_model.bin), which are refused; "
-                + convert_hint(pickled, weights)
+                "(pytorch_model.bin), which are refused; " + convert_hint(pickled, weights)
             )
         raise ModelLoadError(f"model {name!r}: its Dense module {folder.name!r} has no weights")
     try:
