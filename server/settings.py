@@ -30,9 +30,10 @@ class Settings(BaseSettings):
     )
     task: Annotated[tuple[str, ...], NoDecode] = Field(
         ("auto",),
-        description="[name=]task: embed (mean-pooled, normalised), classify, rerank (a "
-        "cross-encoder) or auto, which reads the config (a one-label sequence classifier is a "
-        "reranker). A bare task applies to every model without a name=task of its own.",
+        description="[name=]task: embed (pooled as the model's configuration says), classify, "
+        "rerank (a cross-encoder) or auto, which reads the config (a one-label sequence "
+        "classifier is a reranker). A bare task applies to every model without a name=task of "
+        "its own.",
     )
     default_prompt_name: Annotated[tuple[str, ...], NoDecode] = Field(
         (),

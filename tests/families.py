@@ -354,7 +354,7 @@ FAMILIES = (
     ),
     Family(
         "qwen3",
-        "Qwen3-Embedding (last token, instruction)",
+        "Qwen3-Embedding (last token, instruction; left and right padding)",
         "embed",
         build_qwen3,
         requests=({"prompt_name": "query"}, {}),
