@@ -208,3 +208,21 @@ def test_openai_route_refuses_bad_options_in_its_shape(client, body, code, param
     error = response.json()["error"]
     assert (error["code"], error["param"]) == (code, param)
     assert needle in error["message"]
+
+
+def test_kserve_v2_parameters_choose_the_prompt_too(client):
+    texts = TEXTS[:3]
+    v2 = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [3], "data": texts}]}
+    native = client.post(
+        "/v1/infer", json={"model": "bert-prompts", "inputs": texts, "prompt_name": "passage"}
+    ).json()["outputs"]
+    answer = client.post(
+        "/v2/models/bert-prompts/infer", json=v2 | {"parameters": {"prompt_name": "passage"}}
+    )
+    assert answer.status_code == 200, answer.text
+    [tensor] = answer.json()["outputs"]
+    np.testing.assert_allclose(np.array(tensor["data"]).reshape(3, -1), native, atol=1e-6)
+    unknown = client.post(
+        "/v2/models/bert-prompts/infer", json=v2 | {"parameters": {"prompt_name": "title"}}
+    )
+    assert unknown.status_code == 400 and "'passage'" in unknown.json()["error"]
