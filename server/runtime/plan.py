@@ -19,8 +19,9 @@ MiB = 2**20
 # rest (ports, auth, queue, deadlines) only matter to a serving replica.
 PLAN_FIELDS = frozenset(
     {
-        "model", "task", "device", "dtype", "quantize", "num_threads", "max_input_tokens",
-        "max_batch_size", "max_batch_tokens", "memory_headroom", "memory_limit",
+        "model", "task", "default_prompt_name", "device", "dtype", "quantize", "num_threads",
+        "max_input_tokens", "max_batch_size", "max_batch_tokens", "memory_headroom",
+        "memory_limit",
     }
 )  # fmt: skip
 
