@@ -38,7 +38,7 @@ def _default(value: object) -> str:
     if isinstance(value, str):
         return f"`{value}`"
     if isinstance(value, tuple):  # a repeatable flag
-        return ", ".join(_default(v) for v in value)
+        return ", ".join(_default(v) for v in value) or "unset"
     return str(value)
 
 

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from batching import DeadlineExceeded, InferenceFailed, OutOfMemory, QueueFull, ShuttingDown
-from models import InputTooLong
+from models import InputTooLong, UnknownPrompt
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,12 @@ _ERROR_TYPES = (
               "the model does another task than the endpoint serves (a reranker on `/v1/infer`, "
               "an embedder on `/v1/rerank`)"),
     ErrorType("unsupported_parameter", (400,),
-              "a parameter the model cannot honour (`dimensions` on `/v1/embeddings`)"),
+              "a parameter the model cannot honour: `dimensions` for a model that does not "
+              "embed, `top_k` for one that does not classify"),
+    ErrorType("unknown_prompt", (400,),
+              "`prompt_name` names no prompt of the model (the message lists its prompts)"),
+    ErrorType("invalid_dimensions", (400,),
+              "`dimensions` outside 1 to the model's output size (`output_dim`)"),
     ErrorType("unsupported_input", (400,), "token-id arrays instead of text on `/v1/embeddings`"),
     ErrorType("unauthorized", (401,),
               "the API key (or, on `/admin`, the admin token) is missing or wrong "
@@ -66,10 +71,12 @@ _ERROR_TYPES = (
     ErrorType("unsupported_media_type", (415,), "a body declared as something other than JSON"),
     ErrorType("invalid_request", (422, 400),
               "schema errors: wrong types, unknown fields, `timeout_s` not a positive finite "
-              "number, `priority` out of range, text with lone surrogates (400 on "
+              "number, `priority` out of range, text with lone surrogates, both `prompt` and "
+              "`prompt_name` (400 on "
               "`/v1/embeddings` and `/v2`, as those protocols answer)"),
     ErrorType("invalid_top_n", (422,),
               "`top_n` on `/v1/rerank` outside 1 to the number of documents"),
+    ErrorType("invalid_top_k", (422,), "`top_k` on `/v1/infer` below 1"),
     ErrorType("overloaded", (429,),
               "the replica's queue is full; `Retry-After` says when to retry"),
     ErrorType("rate_limited", (429,),
@@ -155,6 +162,8 @@ def to_api_error(exc: BaseException) -> ApiError:
             return ApiError(429, "overloaded", str(exc), retry_after_s=exc.retry_after_s)
         case InputTooLong():
             return ApiError(413, "input_too_long", str(exc))
+        case UnknownPrompt():
+            return ApiError(400, "unknown_prompt", str(exc))
         case DeadlineExceeded():
             return ApiError(504, "deadline_exceeded", str(exc))
         case OutOfMemory():

@@ -30,9 +30,17 @@ class Settings(BaseSettings):
     )
     task: Annotated[tuple[str, ...], NoDecode] = Field(
         ("auto",),
-        description="[name=]task: embed (mean-pooled, normalised), classify, rerank (a "
-        "cross-encoder) or auto, which reads the config (a one-label sequence classifier is a "
-        "reranker). A bare task applies to every model without a name=task of its own.",
+        description="[name=]task: embed (pooled as the model's configuration says), classify, "
+        "rerank (a cross-encoder) or auto, which reads the config (a one-label sequence "
+        "classifier is a reranker). A bare task applies to every model without a name=task of "
+        "its own.",
+    )
+    default_prompt_name: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="[name=]prompt_name: the prompt (from the model's "
+        "config_sentence_transformers.json) put in front of inputs whose request names none, "
+        "instead of the model's own default; an empty name means no prompt. A bare value "
+        "applies to every model without a name=value of its own.",
     )
     device: str = Field("auto", description="cuda, cuda:N or cpu; auto picks CUDA if present.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
@@ -209,14 +217,14 @@ class Settings(BaseSettings):
             keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
         return tuple(keys)
 
-    @field_validator("model", "task", mode="before")
+    @field_validator("model", "task", "default_prompt_name", mode="before")
     @classmethod
     def _split_list(cls, value: object) -> object:
         return split_list(value)
 
     @model_validator(mode="after")
     def _check_models(self) -> Settings:
-        parse_models(self.model, self.task)
+        parse_models(self.model, self.task, self.default_prompt_name)
         return self
 
     @model_validator(mode="after")
@@ -249,7 +257,7 @@ class Settings(BaseSettings):
 
     def model_entries(self) -> list[ModelEntry]:
         """The served models in order, the default first, each with its task."""
-        return parse_models(self.model, self.task)
+        return parse_models(self.model, self.task, self.default_prompt_name)
 
     def model_specs(self) -> list[tuple[str | None, ModelSpec]]:
         """Each model's name (None: its own) and what to load."""
@@ -273,6 +281,7 @@ class Settings(BaseSettings):
             max_input_tokens=self.max_input_tokens,
             quantize=self.quantize,
             num_threads=self.num_threads,
+            default_prompt_name=default.default_prompt_name,
         )
 
     def batcher_config(self) -> BatcherConfig:

@@ -105,7 +105,8 @@ async def test_the_ready_line_names_every_model_default_first(registry, caplog):
     async with running({"a": ScriptedModel(), "b": classifier()}, registry):
         pass
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in")]
-    assert " serves a (embed), b (classify) on cpu, float32; a: fixed batches (" in line, line
+    expected = " serves a (embed: 1 dims), b (classify) on cpu, float32; a: fixed batches ("
+    assert expected in line, line
     assert "; b: fixed batches (at most 128 items, 4096 padded tokens); status page" in line, line
 
 

@@ -6,6 +6,7 @@ import math
 from typing import TYPE_CHECKING
 
 from batching import AdaptiveSizer, MemoryReading, Sizer
+from models import ModelInfo
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -41,13 +42,35 @@ def memory_budget(sizer: Sizer, reading: MemoryReading | None) -> str:
     return f"memory budget {_mib(budget.max_bytes)} per batch ({source}; {caps})"
 
 
+def outputs(info: ModelInfo) -> str:
+    """What a model answers: ``embed: mean pooling, normalised, 384 dims; prompts query,
+    passage (default query)``, ``rerank: sigmoid``, ``classify: softmax``."""
+    if info.task == "embed":
+        normalised = None if info.normalize is None else "normalised"
+        if info.normalize is False:
+            normalised = "not normalised"
+        parts = [
+            f"{info.pooling} pooling" if info.pooling else None,
+            normalised,
+            f"{info.output_dim} dims" if info.output_dim else None,
+        ]
+        text = ", ".join(p for p in parts if p)
+    else:
+        text = info.activation or ""
+    if info.prompts:
+        default = info.default_prompt_name or "none"
+        text += f"; prompts {', '.join(info.prompts)} (default {default})"
+    return f"{info.task}: {text}" if text else info.task
+
+
 def ready_line(runtime: Runtime, elapsed_s: float) -> str:
-    """``ready in 4.7s: http://127.0.0.1:8000 serves <model> (embed) on cpu, float32; ...``;
-    with several models, each by name and task, the default first, and each one's budget
-    (every model has its own sizer, read against the same free memory)."""
+    """``ready in 4.7s: http://127.0.0.1:8000 serves <model> (embed: mean pooling, normalised,
+    384 dims) on cpu, float32; ...``; with several models, each by name and what it answers,
+    the default first, and each one's budget (every model has its own sizer, read against the
+    same free memory)."""
     slots = list(runtime.slots.values())
     info = slots[0].info  # every model shares the device
-    served = ", ".join(f"{slot.name} ({slot.info.task})" for slot in slots)
+    served = ", ".join(f"{slot.name} ({outputs(slot.info)})" for slot in slots)
     settings = runtime.settings
     url = base_url(settings.host, settings.port)
     where = " (all interfaces)" if settings.host in ("0.0.0.0", "::") else ""

@@ -79,7 +79,8 @@ def test_start_up_says_what_it_is_doing_then_one_ready_line(server):
     assert "Uvicorn running" not in log
     line = ready.group(1)
     assert line.startswith(
-        f"http://127.0.0.1:{server.port} serves all-MiniLM-L6-v2 (embed) on cpu, float32; "
+        f"http://127.0.0.1:{server.port} serves all-MiniLM-L6-v2 (embed: mean pooling, "
+        "normalised, 384 dims) on cpu, float32; "
         "memory budget "
     ), line
     assert re.search(r"memory budget [\d,]+ MiB per batch \(.*at most \d+ items", line), line
