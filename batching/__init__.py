@@ -27,6 +27,7 @@ from .planner import (
     cheapest_window,
     largest_batch,
     plan_batch,
+    refused_alone,
     split,
 )
 from .probes import (
@@ -40,7 +41,9 @@ from .probes import (
     ProbeError,
     TorchCudaProbe,
     limit_address_space,
+    limit_kills,
     probes_for_device,
+    refusal_room,
     release_host_memory,
     tune_host_allocator,
 )
@@ -56,9 +59,18 @@ from .sizer import (
     prior_peak_model,
 )
 from .timing import BatchTimeModel, fit_time_model
+from .warmup import (
+    WARMUP_BATCHES,
+    CalibrationStep,
+    WarmUpPlanner,
+    WarmUpReport,
+    calibration_lengths,
+    scouts,
+)
 
 __all__ = [
     "LIMIT_SOURCES",
+    "WARMUP_BATCHES",
     "AdaptiveConfig",
     "AdaptiveSizer",
     "BatchBudget",
@@ -69,6 +81,7 @@ __all__ = [
     "BatcherConfig",
     "BatchingError",
     "BatchingMetrics",
+    "CalibrationStep",
     "Clock",
     "CompositeProbe",
     "DeadlineExceeded",
@@ -94,17 +107,24 @@ __all__ = [
     "ShuttingDown",
     "Sizer",
     "TorchCudaProbe",
+    "WarmUpPlanner",
+    "WarmUpReport",
+    "calibration_lengths",
     "cheapest_partition",
     "cheapest_window",
     "fit_envelope",
     "fit_time_model",
     "largest_batch",
     "limit_address_space",
+    "limit_kills",
     "plan_batch",
     "powers_of_two",
     "prior_peak_model",
     "probes_for_device",
+    "refusal_room",
+    "refused_alone",
     "release_host_memory",
+    "scouts",
     "split",
     "tune_host_allocator",
 ]

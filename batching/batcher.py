@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .clock import Clock
 from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
 from .metrics import BatchingMetrics, MemoryMetrics, ModelBatchingMetrics, ModelMemoryMetrics
-from .planner import BatchBudget, BatchPlan, plan_batch, split
+from .planner import BatchBudget, BatchPlan, plan_batch, refused_alone, split
 from .probes import MemoryProbe, MemoryReading
 from .queue import Pending, RequestQueue
 from .sizer import BatchOutcome, Sizer
@@ -78,9 +78,19 @@ class ModelThread:
 
     def __init__(self, name: str = "batchfit-model") -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._calls: set[Future[Any]] = set()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        future = self._executor.submit(fn, *args)
+        self._calls.add(future)
+        future.add_done_callback(self._calls.discard)
+        return await asyncio.wrap_future(future)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call is running or waiting (one cancelled by its caller included: a
+        forward pass in progress cannot be interrupted)."""
+        return any(not future.done() for future in list(self._calls))
 
     def close(self, *, wait: bool = True) -> None:
         self._executor.shutdown(wait=wait, cancel_futures=True)
@@ -172,6 +182,12 @@ class Batcher:
             self._update_depth()
             return 0
         priorities = [self.queue.effective_priority(p, now) for p in waiting]
+        # The planner's anchor, the first waiting item, runs whatever the budget says:
+        # unless it cannot fit alone where the limit kills.
+        predicted = refused_alone(waiting[0].cost, budget)
+        if predicted is not None:
+            self._refuse(lane, waiting[0], predicted, budget, reading)
+            return 0
         time_model = lane.time_model
         plan = plan_batch(
             [p.cost for p in waiting],
@@ -188,6 +204,30 @@ class Batcher:
         await self._run(lane, batch)
         self._in_flight = ()
         return len(batch)
+
+    def _refuse(
+        self, lane: _LaneState, pending: Pending, predicted: float, budget: BatchBudget,
+        reading: MemoryReading | None,
+    ) -> None:  # fmt: skip
+        """Fail one input that cannot fit alone under a limit that kills; the rest of the
+        queue is planned from the next step on, as if it had never been there."""
+        self.queue.remove([pending])
+        self._update_depth()
+        room = budget.max_alone_bytes or 0.0
+        where = reading.enforced.describe() if reading and reading.enforced else "a limit"
+        log.warning(
+            "refused an input of %d tokens: predicted peak %.1f MiB alone, %.1f MiB available "
+            "under %s", pending.cost, predicted / 2**20, room / 2**20, where,
+        )  # fmt: skip
+        if lane.memory_metrics is not None:
+            lane.memory_metrics.refused.inc()
+        message = (
+            f"input {pending.index} ({pending.cost} tokens) cannot fit in memory even alone: "
+            f"its predicted peak of {predicted:.0f} bytes ({predicted / 2**20:.1f} MiB) exceeds "
+            f"the {room:.0f} bytes ({room / 2**20:.1f} MiB) available under {where}, past "
+            "which the process is killed rather than failing an allocation; it was not run"
+        )
+        _fail(pending, OutOfMemory(message, int(predicted)))
 
     def _next_lane(self) -> _LaneState | None:
         """The lane of the oldest waiting item by effective priority, then arrival: no model

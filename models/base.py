@@ -27,6 +27,21 @@ class ArchitectureShape:
     parameter_bytes: int
     architecture: Literal["encoder", "decoder"] = "encoder"
     """A decoder (Qwen, Llama, Mistral, Gemma) attends causally."""
+    num_kv_heads: int | None = None
+    """Key/value heads under grouped-query attention (``num_key_value_heads``); None: as
+    many as ``num_heads``."""
+    head_dim: int | None = None
+    """Width of one attention head; None: ``hidden_size // num_heads``."""
+    attention: str = "eager"
+    """The attention implementation in use (``config._attn_implementation``): ``eager``
+    holds every head's ``L x L`` scores; ``sdpa`` and the flash kernels do not."""
+    sliding_window: int | None = None
+    """Tokens a sliding-window layer attends to, where some layers have one (Gemma, Mistral,
+    Qwen2, ModernBERT's local layers); such layers build an ``L x L`` mask even for one
+    input."""
+    gated_mlp: bool = False
+    """The feed-forward multiplies a gate by an up projection (SwiGLU/GeGLU: Llama, Qwen,
+    Gemma, ModernBERT), holding three ``intermediate_size`` activations instead of two."""
 
 
 @dataclass(frozen=True, slots=True)

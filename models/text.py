@@ -154,9 +154,16 @@ class TextModel:
         return found
 
     def synthetic_items(self, num_items: int, length: int) -> list[Item]:
+        """``num_items`` inputs padded to ``length``. NOTE: in a batch of several the last
+        is one token shorter, as in a served batch: a batch without padding needs no
+        attention mask under sdpa, and would measure a peak smaller than served batches
+        of its shape reach (an ``n x L x L`` mask; half the peak at 2 x 4096 tokens)."""
         length = max(2, min(length, self.info.max_input_tokens))
         tokens = Tokens([self._filler_id] * length)
-        return [Item(data=tokens, cost=length) for _ in range(num_items)]
+        items = [Item(data=tokens, cost=length) for _ in range(num_items)]
+        if num_items > 1:
+            items[-1] = Item(data=Tokens([self._filler_id] * (length - 1)), cost=length - 1)
+        return items
 
     def collate(
         self, items: Sequence[Item], *, pin_memory: bool = False

@@ -109,18 +109,27 @@ class ScriptedProbe:
         limit: MemoryLimit | None = None,
         *,
         model: ScriptedModel | None = None,
+        enforced: MemoryLimit | None = None,
+        enforced_free_bytes: int | None = None,
     ) -> None:
         self.free_bytes = free_bytes
         self.limit = limit
+        self.enforced = enforced
+        """The enforced limit (None: none read), with ``enforced_free_bytes`` under it
+        (default: ``free_bytes``)."""
+        self.enforced_free_bytes = enforced_free_bytes
         self.released = 0
         self.model = model
         self.settled_before: list[int] = []
         """For each ``settle()``: how many batches ``model`` had run by then."""
 
     def read(self) -> MemoryReading:
+        enforced_free = self.enforced_free_bytes
         return MemoryReading(
-            free_bytes=self.free_bytes, used_bytes=0, limit=self.limit, sources=("scripted",)
-        )
+            free_bytes=self.free_bytes, used_bytes=0, limit=self.limit, sources=("scripted",),
+            enforced=self.enforced,
+            enforced_free_bytes=self.free_bytes if enforced_free is None else enforced_free,
+        )  # fmt: skip
 
     def start_batch(self) -> int | None:
         return None

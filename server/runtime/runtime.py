@@ -101,6 +101,9 @@ class Runtime:
         self._task: asyncio.Task[None] | None = None
         self._release_task: asyncio.Task[None] | None = None
         self._started = False
+        self.phase = "starting"
+        """Where start-up is, as the log says it if the replica is stopped there."""
+        self._warming: ModelSlot | None = None
 
     @property
     def model(self) -> Model | None:
@@ -152,7 +155,9 @@ class Runtime:
     async def _start(self) -> None:
         started = time.perf_counter()
         for slot in self._slots:
+            self.phase = f"loading model {slot.given_name or slot.spec.model}"
             await self._load(slot)
+        self.phase = "starting the model thread"
         self.slots = by_name(self._slots)
         info = self._slots[0].info  # every model shares the device
         if self.probe is None:
@@ -182,11 +187,17 @@ class Runtime:
             probe=self.probe,
             memory_metrics=self.memory_metrics,
         )
-        log.info("warming up: the largest batches the memory budget allows")
+        log.info("warming up: the largest batches the memory budget and the time bound allow")
         for slot in self._slots:
             if len(self._slots) > 1:
                 log.info("warming up model %s", slot.name)
-            await slot.warm_up(self.batcher)
+            self.phase = f"warming up model {slot.name}"
+            self._warming = slot
+            report = await slot.warm_up(self.batcher)
+            self._warming = None
+            if report.proven_length is not None:
+                self.memory_metrics.for_model(slot.name).proven_length.set(report.proven_length)
+        self.phase = "starting the batcher"
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
         if self.settings.memory_release_idle_s > 0:
@@ -195,6 +206,7 @@ class Runtime:
                 name="batchfit-release-memory",
             )
         self._started = True
+        self.phase = "ready"
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
 
@@ -295,8 +307,27 @@ class Runtime:
         self._aborted = True
         return self.work.fail_open(ShuttingDown("the server stopped before this input ran"))
 
+    def where(self) -> str:
+        """Where start-up is now: ``warming up model m (a batch of 1 x 8192 tokens running)``."""
+        slot = self._warming
+        step = slot.step if slot is not None else None
+        if step is None:
+            return self.phase
+        return f"{self.phase} (a batch of {step.num_items} x {step.length} tokens running)"
+
     async def stop(self) -> None:
         self.metrics.ready.set(0)
+        if not self._started and self.startup_error is None:
+            # NOTE: a load or a forward pass in progress on the model thread cannot be
+            # interrupted, and may take minutes: the replica stops without waiting for it
+            # (the command line then exits the process; see server/cli.py).
+            busy = self.model_thread.busy
+            log.warning(
+                "stopped while %s%s", self.where(),
+                "; not waiting for the model thread" if busy else "",
+            )  # fmt: skip
+            if busy:
+                self._aborted = True
         if self._release_task is not None:
             self._release_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -16,13 +16,15 @@ from typing import Any
 from batching import (
     AdaptiveSizer,
     Batcher,
+    CalibrationStep,
     FixedSizer,
     Lane,
     MemoryProbe,
-    MemoryReading,
     Sizer,
-    largest_batch,
+    WarmUpPlanner,
+    WarmUpReport,
     prior_peak_model,
+    scouts,
     tune_host_allocator,
 )
 from models import BatchProfiler, Model, ModelInfo, ModelOutOfMemory, ModelSpec
@@ -51,6 +53,10 @@ class ModelSlot:
         self.model = model
         self.sizer = sizer  # built from the model's shape once it is loaded, unless given
         self.probe: MemoryProbe | None = None  # the replica's, shared by every slot
+        self.report: WarmUpReport | None = None
+        """What warm-up proved; None until it has run."""
+        self.step: CalibrationStep | None = None
+        """The warm-up batch running now, if any (said when stopped mid-way)."""
 
     @property
     def name(self) -> str:
@@ -86,73 +92,110 @@ class ModelSlot:
             "activation": info.activation,
         }
 
-    async def warm_up(self, batcher: Batcher) -> None:
-        """Run the largest batches the sizer would plan (short and longest inputs), lowering
-        the ceiling after each OOM until they pass, so the server never says ready with a
-        budget it cannot run. The adaptive sizer calibrates its memory model on them."""
+    async def warm_up(self, batcher: Batcher) -> WarmUpReport:
+        """Run calibration batches within the memory budget and the time bound
+        (``WarmUpPlanner``), lowering the ceiling after each OOM, so the server never says
+        ready with a budget it cannot run. The adaptive sizer calibrates its memory model on
+        them; the report says the longest length proven."""
         assert self.model is not None and self.sizer is not None
         on_host = self.model.info.device == "cpu"
         if on_host:
             tune_host_allocator(measuring=True)
         try:
-            await self._calibrate(batcher)
+            if isinstance(self.sizer, AdaptiveSizer):
+                self.report = await self._calibrate(batcher, self.sizer)
+            else:
+                self.report = await self._run_fixed(batcher)
         finally:
             if on_host:
                 tune_host_allocator(measuring=False)
+        log.info(
+            "warm-up of %s: %s in %.1fs%s%s", self.name, self.report.describe(),
+            self.report.elapsed_s,
+            f" (bound {self.report.bound_s:.0f}s)" if self.report.bound_s is not None else "",
+            f"; stopped: {self.report.stopped}" if self.report.stopped else "",
+        )  # fmt: skip
+        return self.report
 
-    async def _calibrate(self, batcher: Batcher) -> None:
-        assert self.model is not None and self.sizer is not None
-        max_len = self.model.info.max_input_tokens
-        lengths = sorted({min(max_len, 32), max_len})
-        if not isinstance(self.sizer, AdaptiveSizer):
-            budget = self.sizer.budget()
-            lengths = [min(max_len, max(2, budget.max_tokens // budget.max_items))]
-        for length in lengths:
-            cap = self.settings.max_batch_size
-            scouted = False
-            while True:
-                reading = self.probe.read() if self.probe else None
-                budget = self.sizer.budget(reading)
-                fits = largest_batch(budget, length)
-                num_items = max(1, min(cap, fits))
-                # NOTE: past a cgroup's limit (or the host's memory) the kernel kills the
-                # process: no error comes back to lower the ceiling on. Where memory, not a
-                # cap, sets this batch's size, a quarter of it runs first, so the full one is
-                # planned by a model corrected at this length, not by the prior alone.
-                scout = not scouted and fits < cap and num_items >= 4 and _kills(reading)
-                if scout:
-                    num_items //= 4
-                items = self.model.synthetic_items(num_items, length)
-                try:
-                    outcome = await batcher.run_calibration(items, self.name)
-                except ModelOutOfMemory:
-                    self.sizer.on_oom(num_items, length)
-                    if num_items == 1:
-                        log.warning("one input of %d tokens does not fit in memory", length)
-                        break
-                    log.info("warm-up batch of %d x %d ran out of memory", num_items, length)
-                    cap = num_items // 2  # a fixed sizer has no ceiling to lower
-                    continue
-                if isinstance(self.sizer, AdaptiveSizer):
-                    self.sizer.calibrate(outcome)
-                log.info(
-                    "warm-up batch of %d x %d tokens: %.3fs, peak %s",
-                    num_items, length, outcome.elapsed_s,
-                    f"{outcome.peak_bytes / 2**20:.1f} MiB" if outcome.peak_bytes else "n/a",
-                )  # fmt: skip
-                if scout:
-                    scouted = True
-                    continue
+    async def _calibrate(self, batcher: Batcher, sizer: AdaptiveSizer) -> WarmUpReport:
+        assert self.model is not None
+        clock = batcher.clock
+        started = clock.now()
+        planner = WarmUpPlanner(
+            max_length=self.model.info.max_input_tokens,
+            max_items=self.settings.max_batch_size,
+            timeout_s=self.settings.warmup_timeout_s,
+        )
+        while True:
+            reading = self.probe.read() if self.probe else None
+            # NOTE: past a cgroup's limit (or the host's memory) the kernel kills the
+            # process: no error comes back to lower the ceiling on. Where memory, not a
+            # cap, sets a batch's size, a quarter of it runs first, so the full one is
+            # planned by a model corrected at this length, not by the prior alone.
+            step = planner.next_step(
+                sizer.budget(reading), elapsed_s=clock.now() - started, scout=scouts(reading)
+            )
+            if step is None:
                 break
-        if isinstance(self.sizer, AdaptiveSizer):
-            self.sizer.finish_warm_up()
-            model = self.sizer.model
-            ceiling = self.sizer.ceiling_bytes
+            # NOTE: left set if warm-up is cancelled here: the log says where it stopped.
+            self.step = step
+            items = self.model.synthetic_items(step.num_items, step.length)
+            try:
+                outcome = await batcher.run_calibration(items, self.name)
+            except ModelOutOfMemory:
+                self.step = None
+                sizer.on_oom(step.num_items, step.length)
+                planner.ran_out_of_memory(step)
+                log.info(
+                    "warm-up batch of %d x %d tokens ran out of memory",
+                    step.num_items, step.length,
+                )  # fmt: skip
+                continue
+            self.step = None
+            sizer.calibrate(outcome)
+            planner.ran(step, outcome.elapsed_s)
             log.info(
-                "memory model: %.0f bytes/token + %.1f bytes/token x length; ceiling %s",
-                model.alpha, model.beta,
-                "none" if ceiling == float("inf") else f"{ceiling / 2**20:.0f} MiB",
+                "warm-up batch of %d x %d tokens%s: %.3fs, peak %s", step.num_items,
+                step.length, "" if step.kind == "batch" else f" ({step.kind})",
+                outcome.elapsed_s,
+                f"{outcome.peak_bytes / 2**20:.1f} MiB" if outcome.peak_bytes else "n/a",
             )  # fmt: skip
+        sizer.finish_warm_up()
+        model, ceiling = sizer.model, sizer.ceiling_bytes
+        log.info(
+            "memory model: %.0f bytes/token + %.1f bytes/token x length (alone: %.0f + %.1f);"
+            " ceiling %s", model.alpha, model.beta, *model.line(1),
+            "none" if ceiling == float("inf") else f"{ceiling / 2**20:.0f} MiB",
+        )  # fmt: skip
+        return planner.report(clock.now() - started)
+
+    async def _run_fixed(self, batcher: Batcher) -> WarmUpReport:
+        """A fixed sizer's warm-up, as other servers do theirs: its largest batch, halved
+        after each OOM."""
+        assert self.model is not None and self.sizer is not None
+        started = batcher.clock.now()
+        max_len = self.model.info.max_input_tokens
+        budget = self.sizer.budget()
+        length = min(max_len, max(2, budget.max_tokens // budget.max_items))
+        num_items, proven = budget.max_items, None
+        while True:
+            items = self.model.synthetic_items(num_items, length)
+            self.step = CalibrationStep(num_items, length)
+            try:
+                outcome = await batcher.run_calibration(items, self.name)
+            except ModelOutOfMemory:
+                self.step = None
+                if num_items == 1:
+                    log.warning("one input of %d tokens does not fit in memory", length)
+                    break
+                log.info("warm-up batch of %d x %d ran out of memory", num_items, length)
+                num_items //= 2
+                continue
+            self.step = None
+            proven = length
+            log.info("warm-up batch of %d x %d tokens: %.3fs", num_items, length, outcome.elapsed_s)
+            break
+        return WarmUpReport(proven, max_len, batcher.clock.now() - started, None)
 
 
 def make_slots(
@@ -195,19 +238,13 @@ def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
         intermediate_size=shape.intermediate_size,
         num_heads=shape.num_heads,
         element_bytes=shape.element_bytes,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        attention=shape.attention,
+        sliding_window=shape.sliding_window,
+        gated_mlp=shape.gated_mlp,
     )
     return AdaptiveSizer(prior, settings.adaptive_config())
-
-
-def _kills(reading: MemoryReading | None) -> bool:
-    """Whether going past the binding limit gives no allocation error to lower the ceiling
-    on: the kernel kills (cgroup, host memory), or nothing enforces it at its value
-    (``--memory-limit`` is a promise: its address-space cap leaves room for thread stacks, so
-    resident memory can pass it silently). The address space and a device fail an
-    allocation instead."""
-    return reading is not None and reading.limit is not None and reading.limit.source in (
-        "cgroup", "host", "flag",
-    )  # fmt: skip
 
 
 def prepare_call(

@@ -1,0 +1,203 @@
+"""Which calibration batches warm-up runs: a pure planner stepped by the warm-up loop.
+
+Warm-up climbs a ladder of lengths (32 tokens, then x4 up to the model's maximum), each at
+the largest batch the memory budget read at that moment allows (capped by the item and
+token caps; one input alone past the token cap, as serving runs it), until the ladder ends,
+the next step is predicted to pass the time bound, or one input of the next length does not
+fit. The longest length a batch ran at is the proven one; beyond it the fitted memory model
+predicts. Nothing here awaits or reads a clock: the loop passes in the budget, the time
+spent and what each batch did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .planner import BatchBudget, largest_batch
+from .probes import MemoryReading
+
+FIRST_LENGTH = 32
+LENGTH_FACTOR = 4
+WARMUP_BATCHES = 20
+"""Default time bound, in full batches: 20 times the first full calibration batch (the
+largest batch of short inputs the budget allows, as long as a served batch at the caps).
+The lengths up to the token cap cost about one such batch each (three to five, with the
+quarter batches scouted under a limit that kills), and each longer length alone is
+estimated at up to 16 times the step before: 20 lets a long-context model prove one or two
+lengths past the token cap without waiting minutes for its maximum."""
+MIN_BOUND_S = 10.0
+"""The default bound is never shorter: a small model's whole ladder takes less than this,
+and a bound of milliseconds would only cut it short at random."""
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationStep:
+    num_items: int
+    length: int
+    kind: str = "batch"
+    """``batch``; ``scout``: a quarter of the batch first, at the first length (two batch
+    sizes tell the fixed cost of a pass from its per-token cost) and where memory sets the
+    batch and going past the limit gives no error; ``alone``: one input at the longest
+    proven length, so that the line of a lone input is measured before it is extrapolated
+    to the next length."""
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUpReport:
+    proven_length: int | None
+    max_length: int
+    elapsed_s: float
+    bound_s: float | None
+    stopped: str | None = None
+    """Why warm-up stopped short of the maximum length; None if it reached it."""
+
+    def describe(self) -> str:
+        """``longest proven input 8192 tokens of 32768``."""
+        proven = "none" if self.proven_length is None else f"{self.proven_length} tokens"
+        return f"longest proven input {proven} of {self.max_length}"
+
+
+def calibration_lengths(
+    max_length: int, *, first: int = FIRST_LENGTH, factor: int = LENGTH_FACTOR
+) -> list[int]:
+    """``first``, then x ``factor``, ending at ``max_length``: 32, 128, 512, 2048, 8192,
+    32768 for a 32k model; 32, 128, 256 for a 256-token one."""
+    lengths = [min(first, max_length)]
+    while lengths[-1] < max_length:
+        lengths.append(min(max_length, lengths[-1] * factor))
+    return lengths
+
+
+def seconds_at_most(ran: tuple[int, int, float], step: CalibrationStep) -> float:
+    """An upper bound on ``step``'s time from a batch that ran (``n, L, seconds``), for a
+    pass costing ``a + b n L + c n L^2`` with non-negative terms: each term grows by at
+    most the larger of the two ratios."""
+    n, length, seconds = ran
+    tokens = step.num_items * step.length / (n * length)
+    return seconds * max(1.0, tokens, tokens * step.length / length)
+
+
+class WarmUpPlanner:
+    """Chooses each calibration step from the budget read before it, the time spent so far
+    and what the steps before it did; the loop runs each step and reports back."""
+
+    def __init__(
+        self, *, max_length: int, max_items: int, timeout_s: float | None = None,
+        batches_in_bound: int = WARMUP_BATCHES,
+    ) -> None:  # fmt: skip
+        self.max_length = max_length
+        self.max_items = max_items
+        self.lengths = calibration_lengths(max_length)
+        self.bound_s = timeout_s
+        self._batches_in_bound = batches_in_bound
+        self._index = 0
+        self._cap = max_items
+        self._scouted = False
+        self._alone_ran = False
+        self._last: tuple[int, int, float] | None = None
+        self.proven_length: int | None = None
+        self.stopped: str | None = None
+
+    def next_step(
+        self, budget: BatchBudget, *, elapsed_s: float, scout: bool = False
+    ) -> CalibrationStep | None:
+        """The next batch to run, or None when warm-up is done (``stopped`` says why, if it
+        ended short of the maximum length). ``scout``: going past the binding limit gives
+        no error, so where memory sets a batch, a quarter of it runs first."""
+        if self.stopped is not None:
+            return None
+        if self._index >= len(self.lengths):
+            if self._alone_ran or self.proven_length is None:
+                return None
+            # The ladder ended without one input alone: one at the longest length, so that
+            # a lone input's line (no padding, no mask) is measured, not scaled.
+            step = CalibrationStep(1, self.proven_length, "alone")
+            return self._within_bound(step, elapsed_s)
+        length = self.lengths[self._index]
+        fits = largest_batch(budget, length)
+        num_items = min(self._cap, fits)
+        if num_items == 0 and _fits_alone(budget, length):
+            num_items = 1  # past the token cap an input runs alone, as serving runs it
+        if num_items == 0:
+            if self.proven_length is None:
+                num_items = 1  # nothing could be served otherwise: the first length runs
+            else:
+                predicted = budget.predict_bytes(1, length) if budget.predict_bytes else 0.0
+                room = budget.max_bytes or 0.0
+                return self._stop(
+                    f"one input of {length} tokens is predicted to need "
+                    f"{predicted / 2**20:.0f} MiB, more than the {room / 2**20:.0f} MiB budget"
+                )
+        if num_items == 1 and not self._alone_ran and self.proven_length is not None:
+            step = CalibrationStep(1, self.proven_length, "alone")
+        elif num_items >= 4 and not self._scouted and (
+            self._index == 0 or (scout and fits < self._cap)
+        ):
+            step = CalibrationStep(num_items // 4, length, "scout")
+        else:
+            step = CalibrationStep(num_items, length)
+        return self._within_bound(step, elapsed_s)
+
+    def _within_bound(self, step: CalibrationStep, elapsed_s: float) -> CalibrationStep | None:
+        if self.bound_s is not None and self._last is not None:
+            at_most = seconds_at_most(self._last, step)
+            if elapsed_s + at_most > self.bound_s:
+                return self._stop(
+                    f"a batch of {step.num_items} x {step.length} tokens may take up to "
+                    f"{at_most:.1f}s, past the {self.bound_s:.0f}s warm-up bound "
+                    f"({elapsed_s:.1f}s spent)"
+                )
+        return step
+
+    def ran(self, step: CalibrationStep, seconds: float) -> None:
+        """``step`` ran cleanly in ``seconds``."""
+        self._last = (step.num_items, step.length, seconds)
+        self.proven_length = max(self.proven_length or 0, step.length)
+        if step.num_items == 1:
+            self._alone_ran = True
+        if self.bound_s is None and step.kind == "batch":
+            self.bound_s = max(MIN_BOUND_S, self._batches_in_bound * seconds)
+        if step.kind == "scout":
+            self._scouted = True
+        elif step.kind == "batch":
+            self._index += 1
+            self._cap = self.max_items
+            self._scouted = False
+
+    def ran_out_of_memory(self, step: CalibrationStep) -> None:
+        """``step`` ran out of memory (an allocation failed): halve the batch, or stop at
+        one input."""
+        if step.num_items == 1:
+            self._stop(f"one input of {step.length} tokens ran out of memory")
+            return
+        self._cap = max(1, step.num_items // 2)
+
+    def report(self, elapsed_s: float) -> WarmUpReport:
+        return WarmUpReport(
+            proven_length=self.proven_length, max_length=self.max_length, elapsed_s=elapsed_s,
+            bound_s=self.bound_s, stopped=self.stopped,
+        )  # fmt: skip
+
+    def _stop(self, reason: str) -> None:
+        self.stopped = reason
+        return None
+
+
+def _fits_alone(budget: BatchBudget, length: int) -> bool:
+    """One input of ``length`` within the memory budget, whatever the token cap says."""
+    if budget.max_bytes is None or budget.predict_bytes is None:
+        return True
+    return budget.predict_bytes(1, length) <= budget.max_bytes
+
+
+def scouts(reading: MemoryReading | None) -> bool:
+    """Whether warm-up runs a quarter batch first where memory sets a batch's size: going
+    past the binding limit's value gives no allocation error to lower the ceiling on. The
+    kernel kills (``cgroup``, ``host``), or nothing enforces the limit at its value
+    (``flag``: resident memory can pass ``--memory-limit`` silently, the address-space cap
+    standing above it). The address space and a device fail an allocation instead. (Not the
+    same question as ``limit_kills``: which limit kills decides refusals, which limit binds
+    decides scouting.)"""
+    return reading is not None and reading.limit is not None and reading.limit.source in (
+        "cgroup", "host", "flag",
+    )  # fmt: skip
