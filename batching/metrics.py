@@ -227,7 +227,7 @@ class MemoryMetrics:
             registry=registry,
         )
         self.refused = Counter(
-            "batchfit_memory_refusals",
+            "batchfit_oom_refusals",
             "Inputs answered 507 out_of_memory before they ran: alone, their predicted peak "
             "exceeded the room under a limit that kills rather than failing an allocation "
             "(a cgroup, the host's memory, a GPU shared with other processes).",

@@ -135,7 +135,7 @@ async def test_a_lone_input_past_a_killing_room_is_refused_and_the_rest_run(harn
     assert all(p.future.exception() is None for p in pendings[1:])
     assert long_text(40) not in model.seen  # never ran
     assert long_text(36) in model.seen
-    assert h.model_sample("batchfit_memory_refusals_total") == 1
+    assert h.model_sample("batchfit_oom_refusals_total") == 1
     assert h.model_sample("batchfit_oom_events_total", {"outcome": "failed"}) == 0
 
 
@@ -150,5 +150,5 @@ async def test_where_an_allocation_fails_the_lone_input_is_tried(harness_factory
     with pytest.raises(OutOfMemory, match="even alone"):
         pending.future.result()
     assert model.batch_sizes == [1]  # it ran, and failed
-    assert h.model_sample("batchfit_memory_refusals_total") == 0
+    assert h.model_sample("batchfit_oom_refusals_total") == 0
     assert h.model_sample("batchfit_oom_events_total", {"outcome": "failed"}) == 1
