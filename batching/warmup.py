@@ -130,8 +130,10 @@ class WarmUpPlanner:
                 )
         if num_items == 1 and not self._alone_ran and self.proven_length is not None:
             step = CalibrationStep(1, self.proven_length, "alone")
-        elif num_items >= 4 and not self._scouted and (
-            self._index == 0 or (scout and fits < self._cap)
+        elif (
+            num_items >= 4
+            and not self._scouted
+            and (self._index == 0 or (scout and fits < self._cap))
         ):
             step = CalibrationStep(num_items // 4, length, "scout")
         else:

@@ -65,6 +65,8 @@ class ModelInfo:
     default_prompt_name: str | None = None
     activation: str | None = None
     """A classifier's or cross-encoder's score function: softmax, sigmoid, identity..."""
+    truncation_side: str = "right"
+    """The end an over-long input is cut from by default (the tokenizer's own side)."""
 
 
 @runtime_checkable
@@ -75,7 +77,8 @@ class Model(Protocol):
     only and returns one output per item, in order. ``forward`` raises ``ModelOutOfMemory``
     for allocation failures and nothing torch-specific. A ``prepare`` may also take a
     keyword ``prompt`` (text to put before each input); one that does not is given the
-    inputs with the prompt already in front.
+    inputs with the prompt already in front. One that takes ``truncation_direction``
+    (``right`` or ``left``) cuts over-long inputs from that end.
     """
 
     info: ModelInfo

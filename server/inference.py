@@ -129,6 +129,7 @@ async def infer_for_request(
     query: str | None = None,
     prompt_name: str | None = None,
     prompt: str | None = None,
+    truncation_direction: str | None = None,
 ) -> tuple[list[Any], int]:
     """Queue the inputs for ``model`` (same queue, batcher and model thread as ``/v1/infer``)
     and wait, dropping them if the client disconnects. Returns the outputs and the token
@@ -149,6 +150,7 @@ async def infer_for_request(
         runtime.infer(
             inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
             priority=priority, model=name, query=query, trace=trace, prompt=resolved,
+            truncation_direction=truncation_direction,
         )
     )  # fmt: skip
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))

@@ -8,7 +8,7 @@ pair is one queue item whose cost is the pair's token count after truncation.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import orjson
 from fastapi import APIRouter, Depends, Request
@@ -40,6 +40,11 @@ class RerankRequest(BaseModel):
     )
     return_documents: bool = Field(
         False, description="Include each result's document text as document.text."
+    )
+    truncation_direction: Literal["right", "left"] | None = Field(
+        None,
+        description="Which end truncation cuts a pair from (the longer side first): right "
+        "keeps the start, left the end. Default: the model's own.",
     )
     model: str | None = Field(
         None,
@@ -98,8 +103,9 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     request_id = request_id_of(request)
     try:
         scores, num_tokens = await infer_for_request(
-            request, body.documents, request_id=request_id, model=slot.name, query=body.query
-        )
+            request, body.documents, request_id=request_id, model=slot.name, query=body.query,
+            truncation_direction=body.truncation_direction,
+        )  # fmt: skip
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as exc:

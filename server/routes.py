@@ -121,6 +121,7 @@ async def infer(
             request, inputs, request_id=request_id, truncate=body.truncate,
             timeout_s=timeout_s, priority=body.priority, model=slot.name,
             prompt_name=body.prompt_name, prompt=body.prompt,
+            truncation_direction=body.truncation_direction,
         )  # fmt: skip
     except ClientDisconnected:
         return Response(status_code=499)

@@ -357,7 +357,12 @@ FAMILIES = (
         "e5 (query: / passage:, a default prompt)",
         "embed",
         build_bert_prompts,
-        requests=({}, {"prompt_name": "passage"}, {"prompt": "title: "}),
+        requests=(
+            {},
+            {"prompt_name": "passage"},
+            {"prompt": "title: "},
+            {"prompt_name": "passage", "truncation_direction": "left"},
+        ),
     ),
     Family(
         "bert-instructor",
@@ -385,7 +390,11 @@ FAMILIES = (
         "Qwen3-Embedding (last token, instruction; left and right padding)",
         "embed",
         build_qwen3,
-        requests=({"prompt_name": "query"}, {}),
+        requests=(
+            {"prompt_name": "query"},
+            {},
+            {"prompt_name": "query", "truncation_direction": "left"},
+        ),
         padding_sides=("left", "right"),
     ),
     Family("ce-identity", "ms-marco cross-encoders (Identity)", "rerank", build_ce_identity),
@@ -471,6 +480,8 @@ def _reference_embeddings(
         model = SentenceTransformer(str(folder), device="cpu")
         if padding_side is not None:
             model.tokenizer.padding_side = padding_side
+        if request.get("truncation_direction") is not None:
+            model.tokenizer.truncation_side = request["truncation_direction"]
         return model.encode(
             TEXTS, prompt_name=request.get("prompt_name"), prompt=request.get("prompt"),
             batch_size=8, show_progress_bar=False, convert_to_numpy=True,

@@ -37,8 +37,10 @@ def test_prior_from_the_config():
     assert prior.predict(2, 10) == 2 * 10 * (prior.alpha + prior.beta * 10)
 
 
-QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_heads": 16,
-              "num_kv_heads": 8, "head_dim": 128, "element_bytes": 2, "gated_mlp": True}  # fmt: skip
+QWEN3_0_6B = {
+    "hidden_size": 1024, "intermediate_size": 3072, "num_heads": 16, "num_kv_heads": 8,
+    "head_dim": 128, "element_bytes": 2, "gated_mlp": True,
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -363,11 +363,13 @@ class Runtime:
         query: str | None = None,
         trace: RequestTrace | None = None,
         prompt: str | None = None,
+        truncation_direction: str | None = None,
     ) -> tuple[list[Any], int]:
         """Queue every input as one item of ``model`` (None: the default) and wait for all of
         them; return outputs and tokens. With ``query``, each input is a document paired with
-        it (reranking). ``prompt`` goes in front of each input (of the query, for pairs).
-        ``trace``, if given, is filled in with what the request went through."""
+        it (reranking). ``prompt`` goes in front of each input (of the query, for pairs);
+        ``truncation_direction`` (None: the model's own) is the end over-long inputs are cut
+        from. ``trace``, if given, is filled in with what the request went through."""
         if self.draining:
             raise draining()
         if not self.ready:
@@ -378,16 +380,20 @@ class Runtime:
                 slot, inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
                 priority=priority, query=query, prompt=prompt,
                 trace=trace if trace is not None else RequestTrace(),
+                truncation_direction=truncation_direction,
             )  # fmt: skip
 
     async def _infer(
         self, slot: ModelSlot, inputs: Sequence[str], *, truncate: bool, timeout_s: float,
         request_id: str, priority: int, query: str | None, trace: RequestTrace,
-        prompt: str | None = None,
+        prompt: str | None = None, truncation_direction: str | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         loop = asyncio.get_running_loop()
         assert slot.model is not None
-        prepare = prepare_call(slot.model, inputs, truncate=truncate, query=query, prompt=prompt)
+        prepare = prepare_call(
+            slot.model, inputs, truncate=truncate, query=query, prompt=prompt,
+            truncation_direction=truncation_direction,
+        )  # fmt: skip
         chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
         chars += len(prompt or "") * len(inputs)
         if chars > INLINE_TOKENIZE_CHARS:

@@ -29,6 +29,7 @@ from batching import (
 )
 from models import BatchProfiler, Model, ModelInfo, ModelOutOfMemory, ModelSpec
 
+from ..errors import ApiError
 from ..settings import Settings
 
 log = logging.getLogger("batchfit")
@@ -90,6 +91,7 @@ class ModelSlot:
             "prompts": dict(info.prompts),
             "default_prompt_name": info.default_prompt_name,
             "activation": info.activation,
+            "truncation_direction": info.truncation_side,
         }
 
     async def warm_up(self, batcher: Batcher) -> WarmUpReport:
@@ -248,17 +250,29 @@ def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
 
 
 def prepare_call(
-    model: Model, inputs: Sequence[str], *, truncate: bool, query: str | None, prompt: str | None
-) -> Callable[[], list[Any]]:
+    model: Model, inputs: Sequence[str], *, truncate: bool, query: str | None, prompt: str | None,
+    truncation_direction: str | None = None,
+) -> Callable[[], list[Any]]:  # fmt: skip
     """The tokenization of a request's inputs, to run inline or off the event loop. A model
-    whose ``prepare`` takes no ``prompt`` gets the prompt already in front of each text."""
+    whose ``prepare`` takes no ``prompt`` gets the prompt already in front of each text; one
+    that takes no ``truncation_direction`` cannot be asked for one (400)."""
+    prepare = model.prepare_pairs if query is not None else model.prepare  # type: ignore[attr-defined]
+    parameters = inspect.signature(prepare).parameters
+    options: dict[str, Any] = {"truncate": truncate}
+    if truncation_direction is not None:
+        if "truncation_direction" not in parameters:
+            raise ApiError(
+                400, "unsupported_parameter",
+                f"model {model.info.name!r} cannot truncate from a chosen side; leave "
+                "truncation_direction out",
+            )  # fmt: skip
+        options["truncation_direction"] = truncation_direction
     if query is not None:
-        pairs = model.prepare_pairs  # type: ignore[attr-defined]
-        if prompt and "prompt" in inspect.signature(pairs).parameters:
-            return functools.partial(pairs, query, inputs, truncate=truncate, prompt=prompt)
+        if prompt and "prompt" in parameters:
+            return functools.partial(prepare, query, inputs, prompt=prompt, **options)
         query = prompt + query if prompt else query
-        return functools.partial(pairs, query, inputs, truncate=truncate)
-    if prompt and "prompt" in inspect.signature(model.prepare).parameters:
-        return functools.partial(model.prepare, inputs, truncate=truncate, prompt=prompt)
+        return functools.partial(prepare, query, inputs, **options)
+    if prompt and "prompt" in parameters:
+        return functools.partial(prepare, inputs, prompt=prompt, **options)
     texts = [prompt + text for text in inputs] if prompt else inputs
-    return functools.partial(model.prepare, texts, truncate=truncate)
+    return functools.partial(prepare, texts, **options)
