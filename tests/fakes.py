@@ -208,3 +208,27 @@ class FakeCuda(TorchFunctionMode):
                 self.copies.append((tuple(source.shape), pinned, bool(kwargs.get("non_blocking"))))
                 return source
         return func(*args, **kwargs)
+
+
+SLOW_FORWARD_ENV = "BATCHFIT_TEST_SLOW_FORWARD"
+
+
+class SlowWarmUpModel(ScriptedModel):
+    """Every pass of more than one short input takes ``seconds`` (a sleep on the model
+    thread, which nothing interrupts); the file named by ``$BATCHFIT_TEST_SLOW_FORWARD`` is
+    created as the first such pass starts."""
+
+    def __init__(self, seconds: float = 120.0) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, items: Sequence[Item]) -> list[Any]:
+        if len(items) > 1 or max(item.cost for item in items) > 8:
+            Path(os.environ[SLOW_FORWARD_ENV]).touch()
+            time.sleep(self.seconds)
+        return super().forward(items)
+
+
+def slow_warm_up_model() -> SlowWarmUpModel:
+    """Entry point for ``--model python:tests.fakes:slow_warm_up_model``."""
+    return SlowWarmUpModel()
