@@ -113,8 +113,10 @@ class Settings(BaseSettings):
     num_threads: int | None = Field(
         None,
         ge=1,
-        description="torch intra-op threads on CPU; default: every CPU the process may use "
-        "(torch's own default), the fastest on 2 vCPUs both idle and under load.",
+        description="torch intra-op threads on CPU; default: OMP_NUM_THREADS where set (batchfit "
+        "up sets it to share the cores among its replicas), else every CPU the process may "
+        "use, at most its cgroup's CPU quota rounded up (all cores: the fastest on 2 vCPUs, "
+        "idle and under load).",
     )
     max_body_bytes: int = Field(
         2 * 2**20, ge=1024, description="Largest request body accepted; beyond it 413."

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
 from .slot import ModelSlot, by_name, make_sizer, make_slots
+from .threads import thread_count
 from .trace import RequestTrace
 from .tracking import WorkTracker
 
@@ -152,10 +154,13 @@ class Runtime:
 
     async def _start(self) -> None:
         started = time.perf_counter()
+        threads = thread_count(self.settings.num_threads)
         for slot in self._slots:
-            await self._load(slot)
+            await self._load(slot, threads.num_threads)
         self.slots = by_name(self._slots)
         info = self._slots[0].info  # every model shares the device
+        if info.device == "cpu":
+            log.info("%s", threads.describe())
         if self.probe is None:
             self.probe = probes_for_device(
                 info.device, memory_limit_bytes=self.settings.memory_limit
@@ -199,10 +204,11 @@ class Runtime:
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
 
-    async def _load(self, slot: ModelSlot) -> None:
+    async def _load(self, slot: ModelSlot, num_threads: int) -> None:
         started = time.perf_counter()
         if slot.model is None:
-            slot.model = await self.model_thread.call(load_model, slot.spec)
+            spec = replace(slot.spec, num_threads=num_threads)
+            slot.model = await self.model_thread.call(load_model, spec)
         info = slot.model.info
         log.info(
             "model %s loaded: task=%s device=%s dtype=%s parameters=%d max_input_tokens=%d (%.1fs)",
