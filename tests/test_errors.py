@@ -1,6 +1,13 @@
 import pytest
 
-from batching import DeadlineExceeded, InferenceFailed, OutOfMemory, QueueFull, ShuttingDown
+from batching import (
+    DeadlineExceeded,
+    InferenceFailed,
+    NeverAdmitted,
+    OutOfMemory,
+    QueueFull,
+    ShuttingDown,
+)
 from models import InputTooLong
 from server.errors import ApiError, to_api_error
 
@@ -9,6 +16,7 @@ from server.errors import ApiError, to_api_error
     ("error", "status", "error_type"),
     [
         (QueueFull(10, 10, 1.0), 429, "overloaded"),
+        (NeverAdmitted(100, 64), 413, "too_many_inputs"),
         (InputTooLong(0, 600, 256), 413, "input_too_long"),
         (DeadlineExceeded(1.0), 504, "deadline_exceeded"),
         (OutOfMemory("input 0 does not fit"), 507, "out_of_memory"),
@@ -29,3 +37,7 @@ def test_unexpected_errors_do_not_leak_their_text():
 
 def test_retry_after_on_overload():
     assert to_api_error(QueueFull(1, 1, 2.0)).retry_after_s == 2.0
+
+
+def test_a_request_that_can_never_be_admitted_gets_no_retry_after():
+    assert to_api_error(NeverAdmitted(100, 64)).retry_after_s is None
