@@ -91,7 +91,7 @@ class Batcher:
     ``model_thread``.
 
     Only OOM errors (``oom_errors``) take the bisection path; the model layer turns torch's
-    errors into those. ``fatal_errors`` mark the batcher unhealthy.
+    errors into those. ``fatal_errors`` fail their batch and end ``run``.
     """
 
     def __init__(
@@ -136,15 +136,17 @@ class Batcher:
 
     async def run(self) -> None:
         """Step forever. When stopped, whatever is queued or running fails with
-        ``ShuttingDown``; when the loop itself crashes, with ``InferenceFailed`` (then re-raised:
-        the owner decides what a dead batcher means)."""
+        ``ShuttingDown``; when the loop itself crashes, or a forward pass raises one of
+        ``fatal_errors`` (a device that cannot be trusted again), with ``InferenceFailed``
+        (then re-raised: the owner decides what a dead batcher means)."""
         error: Exception = ShuttingDown("the server stopped before this input ran")
         try:
             while True:
                 await self.step()
-        except Exception:
+        except Exception as exc:
             self.healthy = False
-            error = InferenceFailed("the batcher failed; this replica is stopping")
+            what = "the device" if isinstance(exc, self._fatal_errors) else "the batcher"
+            error = InferenceFailed(f"{what} failed; this replica is stopping")
             raise
         finally:
             for pending in self._in_flight:
@@ -340,10 +342,15 @@ class Batcher:
         except Exception as exc:
             lane.metrics.batch_failures.inc()
             if isinstance(exc, self._fatal_errors):
+                # NOTE: a device error leaves the device (and any batch after this one) in a
+                # state nobody can vouch for: fail this batch, then end the loop, which fails
+                # everything queued and lets the owner stop the process for a restart.
                 self.healthy = False
-                log.error("device error; marking the replica not ready: %s", exc)
-            else:
-                log.exception("batch of %d items failed", len(live))
+                log.error("device error in a batch of %d items: %s", len(live), exc)
+                for pending in live:
+                    _fail(pending, InferenceFailed("the device failed; this replica is stopping"))
+                raise
+            log.exception("batch of %d items failed", len(live))
             for pending in live:
                 _fail(pending, InferenceFailed("inference failed"))
             return

@@ -261,14 +261,19 @@ class Runtime:
             self.memory_metrics.host_last_release.set_to_current_time()
 
     def _batcher_done(self, task: asyncio.Task[None]) -> None:
-        """The batcher only ends on its own by crashing. Policy: its requests got 500, the
-        replica turns not ready and the process exits non-zero (``on_fatal``) so that the
-        supervisor restarts it; a loop that failed once may fail again, so no in-place retry."""
+        """The batcher only ends on its own by crashing or on a device error. Policy: its
+        requests got 500, the replica turns not ready and the process exits non-zero
+        (``on_fatal``) so that the supervisor (the kubelet, ``batchfit up``) restarts it; a
+        loop that failed once may fail again, and a device that failed cannot be trusted, so
+        no in-place retry."""
         self.metrics.ready.set(0)
         if task.cancelled() or task.exception() is None:
             return
-        self.batcher_error = task.exception()
-        log.error("the batcher crashed; stopping the replica", exc_info=self.batcher_error)
+        self.batcher_error = error = task.exception()
+        if isinstance(error, DeviceError):
+            log.error("device error: %s; stopping the replica for a restart", error)
+        else:
+            log.error("the batcher crashed; stopping the replica", exc_info=error)
         if self._on_fatal is not None:
             self._on_fatal()
 
