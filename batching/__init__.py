@@ -5,6 +5,7 @@ Never imports a concrete model: the batcher drives anything with a ``forward`` c
 
 from .batcher import Batcher, BatcherConfig, Lane, ModelThread
 from .clock import Clock, MonotonicClock
+from .composite import CompositeProbe, probes_for_device
 from .errors import (
     BatchingError,
     DeadlineExceeded,
@@ -32,7 +33,6 @@ from .planner import (
 )
 from .probes import (
     LIMIT_SOURCES,
-    CompositeProbe,
     HostProbe,
     MemoryLimit,
     MemoryProbe,
@@ -41,7 +41,6 @@ from .probes import (
     ProbeError,
     TorchCudaProbe,
     limit_address_space,
-    probes_for_device,
     release_host_memory,
     tune_host_allocator,
 )

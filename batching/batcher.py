@@ -248,6 +248,7 @@ class Batcher:
                 if value is not None:
                     gauge.set(value)
             metrics.set_limit(reading.limit)
+            metrics.set_probe_states(reading)
         return reading
 
     def _measured_forward(

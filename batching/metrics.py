@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from .probes import MemoryLimit
+    from .probes import MemoryLimit, MemoryReading
 
 LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -277,6 +277,14 @@ class MemoryMetrics:
             ["source"],
             registry=registry,
         )
+        self.probe_error = Gauge(
+            "batchfit_probe_error",
+            "1 while a memory probe cannot be read (it is retried with backoff; its last "
+            "reading and the ceiling proven at warm-up bound the budget meanwhile), else 0; "
+            "as of the last dispatch.",
+            ["probe"],
+            registry=registry,
+        )
         self._limit_source: str | None = None
 
     def set_limit(self, limit: MemoryLimit | None) -> None:
@@ -287,6 +295,13 @@ class MemoryMetrics:
             self.limit.remove(self._limit_source)
         self._limit_source = limit.source
         self.limit.labels(limit.source).set(limit.limit_bytes)
+
+    def set_probe_states(self, reading: MemoryReading) -> None:
+        """Each probe of ``reading``: 0 if it read, 1 if it is in error."""
+        for name in reading.sources:
+            self.probe_error.labels(name).set(0)
+        for name in reading.failing:
+            self.probe_error.labels(name).set(1)
 
     def for_model(self, model: str) -> ModelMemoryMetrics:
         """This model's series (created now, so they read 0 before its first batch)."""
