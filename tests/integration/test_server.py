@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import httpx
@@ -12,6 +13,13 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from models.loading import BUNDLED_MODEL, resolve_model_path
+from tests.rawhttp import (
+    CountingReader,
+    data_segments_received,
+    get,
+    read_response,
+    send_request,
+)
 from tests.servers import run_server, when_queue_full
 
 pytestmark = pytest.mark.integration
@@ -198,3 +206,34 @@ def test_models_and_metrics_endpoints(server):
                  "batchfit_queue_depth", "batchfit_batch_size_bucket"):  # fmt: skip
         assert name in scrape
     assert httpx.get(f"{server.url}/health/live").json() == {"status": "live"}
+
+
+@pytest.mark.parametrize(
+    ("send", "status"),
+    [
+        (lambda port: send_request(port, json.dumps({"inputs": ["one", "two words"]}).encode()),
+         200),
+        (lambda port: send_request(port, json.dumps({"inputs": []}).encode()), 400),
+        (lambda port: send_request(port, content_length=False,  # the middleware's own 413
+                                   headers={"Content-Length": str(3 * 2**20)}), 413),
+        (lambda port: get(port, "/v1/models"), 200),
+        (lambda port: get(port, "/health/ready"), 200),
+    ],
+)  # fmt: skip
+def test_every_response_leaves_the_server_in_one_write(server, send, status):
+    """Head and body in one send(), counted by the kernel as the TCP segments that carried
+    data to this client: a replica that dies between two writes leaves Nginx a head without
+    its body, which it cannot retry elsewhere."""
+    sock = send(server.port)
+    reader = CountingReader(sock)
+    try:
+        answer_status, headers, body = read_response(reader)  # type: ignore[arg-type]
+        segments, received = data_segments_received(sock)
+    finally:
+        sock.close()
+    assert answer_status == status
+    assert len(body) == int(headers["content-length"]) > 0
+    # The kernel counted this answer (and a FIN's sequence number, where the server closed).
+    assert reader.num_bytes <= received <= reader.num_bytes + 1
+    assert reader.num_bytes > len(body)
+    assert segments == 1, f"the answer came in {segments} segments"
