@@ -336,7 +336,10 @@ class Batcher:
                 return
             self._count_oom(lane, "split")
             first, second = split(live)
-            log.info("batch of %d x %d tokens ran out of memory; splitting", len(live), padded_len)
+            log.info(
+                "batch of %d x %d tokens ran out of memory (%s); splitting",
+                len(live), padded_len, exc,
+            )  # fmt: skip
             await self._run(lane, first)
             await self._run(lane, second)
             return
