@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -165,6 +166,7 @@ class Batcher:
         lane.metrics.budget_tokens.set(budget.max_tokens)
         if lane.memory_metrics is not None and budget.max_bytes is not None:
             lane.memory_metrics.budget_bytes.set(budget.max_bytes)
+        self._record_ceiling(lane)
         await self._fill(lane, budget.max_items, budget.max_tokens)
 
         now = self.clock.now()
@@ -218,6 +220,16 @@ class Batcher:
         if lane.time_model is not None:
             lane.time_model.observe(len(items), padded_len, elapsed)
         return BatchOutcome(len(items), padded_len, elapsed, peak)
+
+    def record_ceilings(self) -> None:
+        """Show every model's ceiling now (after warm-up, before any batch has run)."""
+        for lane in self.lanes.values():
+            self._record_ceiling(lane)
+
+    def _record_ceiling(self, lane: _LaneState) -> None:
+        ceiling = getattr(lane.sizer, "ceiling_bytes", None)
+        if lane.memory_metrics is not None and ceiling is not None and math.isfinite(ceiling):
+            lane.memory_metrics.ceiling_bytes.set(ceiling)
 
     def fail_waiting(self, error: Exception) -> None:
         waiting = self.queue.waiting()

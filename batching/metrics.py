@@ -169,6 +169,7 @@ class ModelMemoryMetrics:
     """One model's children of ``MemoryMetrics``."""
 
     budget_bytes: Gauge
+    ceiling_bytes: Gauge
     headroom_bytes: Gauge
     predicted_peak: Gauge
     measured_peak: Gauge
@@ -184,6 +185,14 @@ class MemoryMetrics:
         self.budget_bytes = Gauge(
             "batchfit_batch_budget_bytes",
             "Predicted-peak budget of the next batch (free memory less headroom).",
+            labelnames=MODEL,
+            registry=registry,
+        )
+        self.ceiling_bytes = Gauge(
+            "batchfit_batch_ceiling_bytes",
+            "Cap on a batch's predicted peak: what warm-up proved (the largest warm-up batch), "
+            "lowered after an OOM and climbing back after clean batches; 0: none (the fixed "
+            "sizer, or a model not warmed up).",
             labelnames=MODEL,
             registry=registry,
         )
@@ -307,6 +316,7 @@ class MemoryMetrics:
         """This model's series (created now, so they read 0 before its first batch)."""
         return ModelMemoryMetrics(
             budget_bytes=self.budget_bytes.labels(model),
+            ceiling_bytes=self.ceiling_bytes.labels(model),
             headroom_bytes=self.headroom_bytes.labels(model),
             predicted_peak=self.predicted_peak.labels(model),
             measured_peak=self.measured_peak.labels(model),

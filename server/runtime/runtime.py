@@ -193,6 +193,7 @@ class Runtime:
             if len(self._slots) > 1:
                 log.info("warming up model %s", slot.name)
             await slot.warm_up(self.batcher)
+        self.batcher.record_ceilings()
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
         if self.settings.memory_release_idle_s > 0:
