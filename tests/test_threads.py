@@ -12,7 +12,7 @@ import torch
 
 import models.loading
 from batching.procfs import CpuQuota
-from bench.limit import load_bench_model
+from bench.plain import load_plain_encoder
 from bench.runner import SERVER_CONFIGS, BenchOptions
 from models import ModelSpec, available_cpus, load_model
 from models.loading import cpu_threads, omp_num_threads
@@ -143,7 +143,7 @@ def test_the_limit_uses_torchs_default_thread_count_whatever_the_servers(tmp_pat
     monkeypatch.setattr(models.loading, "cpu_threads", lambda requested: requested or 1)
 
     def load():
-        load_bench_model(str(folder))
+        load_plain_encoder(str(folder))
         return torch.get_num_threads()
 
     assert on_a_thread(load) == torch_default
