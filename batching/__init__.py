@@ -5,10 +5,12 @@ Never imports a concrete model: the batcher drives anything with a ``forward`` c
 
 from .batcher import Batcher, BatcherConfig, Lane, ModelThread
 from .clock import Clock, MonotonicClock
+from .composite import CompositeProbe, probes_for_device
 from .errors import (
     BatchingError,
     DeadlineExceeded,
     InferenceFailed,
+    NeverAdmitted,
     OutOfMemory,
     QueueFull,
     ShuttingDown,
@@ -31,7 +33,6 @@ from .planner import (
 )
 from .probes import (
     LIMIT_SOURCES,
-    CompositeProbe,
     HostProbe,
     MemoryLimit,
     MemoryProbe,
@@ -40,7 +41,6 @@ from .probes import (
     ProbeError,
     TorchCudaProbe,
     limit_address_space,
-    probes_for_device,
     release_host_memory,
     tune_host_allocator,
 )
@@ -84,6 +84,7 @@ __all__ = [
     "ModelMemoryMetrics",
     "ModelThread",
     "MonotonicClock",
+    "NeverAdmitted",
     "NvmlProbe",
     "OutOfMemory",
     "PeakModel",

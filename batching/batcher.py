@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ class Batcher:
     ``model_thread``.
 
     Only OOM errors (``oom_errors``) take the bisection path; the model layer turns torch's
-    errors into those. ``fatal_errors`` mark the batcher unhealthy.
+    errors into those. ``fatal_errors`` fail their batch and end ``run``.
     """
 
     def __init__(
@@ -136,15 +137,17 @@ class Batcher:
 
     async def run(self) -> None:
         """Step forever. When stopped, whatever is queued or running fails with
-        ``ShuttingDown``; when the loop itself crashes, with ``InferenceFailed`` (then re-raised:
-        the owner decides what a dead batcher means)."""
+        ``ShuttingDown``; when the loop itself crashes, or a forward pass raises one of
+        ``fatal_errors`` (a device that cannot be trusted again), with ``InferenceFailed``
+        (then re-raised: the owner decides what a dead batcher means)."""
         error: Exception = ShuttingDown("the server stopped before this input ran")
         try:
             while True:
                 await self.step()
-        except Exception:
+        except Exception as exc:
             self.healthy = False
-            error = InferenceFailed("the batcher failed; this replica is stopping")
+            what = "the device" if isinstance(exc, self._fatal_errors) else "the batcher"
+            error = InferenceFailed(f"{what} failed; this replica is stopping")
             raise
         finally:
             for pending in self._in_flight:
@@ -163,6 +166,7 @@ class Batcher:
         lane.metrics.budget_tokens.set(budget.max_tokens)
         if lane.memory_metrics is not None and budget.max_bytes is not None:
             lane.memory_metrics.budget_bytes.set(budget.max_bytes)
+        self._record_ceiling(lane)
         await self._fill(lane, budget.max_items, budget.max_tokens)
 
         now = self.clock.now()
@@ -217,6 +221,16 @@ class Batcher:
             lane.time_model.observe(len(items), padded_len, elapsed)
         return BatchOutcome(len(items), padded_len, elapsed, peak)
 
+    def record_ceilings(self) -> None:
+        """Show every model's ceiling now (after warm-up, before any batch has run)."""
+        for lane in self.lanes.values():
+            self._record_ceiling(lane)
+
+    def _record_ceiling(self, lane: _LaneState) -> None:
+        ceiling = getattr(lane.sizer, "ceiling_bytes", None)
+        if lane.memory_metrics is not None and ceiling is not None and math.isfinite(ceiling):
+            lane.memory_metrics.ceiling_bytes.set(ceiling)
+
     def fail_waiting(self, error: Exception) -> None:
         waiting = self.queue.waiting()
         self.queue.remove(waiting)
@@ -246,6 +260,7 @@ class Batcher:
                 if value is not None:
                     gauge.set(value)
             metrics.set_limit(reading.limit)
+            metrics.set_probe_states(reading)
         return reading
 
     def _measured_forward(
@@ -341,17 +356,25 @@ class Batcher:
                 return
             self._count_oom(lane, "split")
             first, second = split(live)
-            log.info("batch of %d x %d tokens ran out of memory; splitting", len(live), padded_len)
+            log.info(
+                "batch of %d x %d tokens ran out of memory (%s); splitting",
+                len(live), padded_len, exc,
+            )  # fmt: skip
             await self._run(lane, first)
             await self._run(lane, second)
             return
         except Exception as exc:
             lane.metrics.batch_failures.inc()
             if isinstance(exc, self._fatal_errors):
+                # NOTE: a device error leaves the device (and any batch after this one) in a
+                # state nobody can vouch for: fail this batch, then end the loop, which fails
+                # everything queued and lets the owner stop the process for a restart.
                 self.healthy = False
-                log.error("device error; marking the replica not ready: %s", exc)
-            else:
-                log.exception("batch of %d items failed", len(live))
+                log.error("device error in a batch of %d items: %s", len(live), exc)
+                for pending in live:
+                    _fail(pending, InferenceFailed("the device failed; this replica is stopping"))
+                raise
+            log.exception("batch of %d items failed", len(live))
             for pending in live:
                 _fail(pending, InferenceFailed("inference failed"))
             return
