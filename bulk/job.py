@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batching import limit_address_space, probes_for_device
+from batching import limit_address_space
 from models import BUNDLED_MODEL, Item, Model, ModelSpec, load_model
 from models.custom import is_entry_point
 from models.loading import resolve_model_path
@@ -27,7 +27,7 @@ from .pipeline import END, PartInput, PartOutput, PartReader, PartWriter, Worker
 from .progress import Progress, describe_budget, duration, size
 from .readers import Fields, Reject, Row, check_fields, count_rows, expand_inputs
 from .readers import read_rows as read_input_rows
-from .runner import OutOfMemoryInput, Reserve, Runner, make_sizer
+from .runner import OutOfMemoryInput, Reserve, Runner, build_runner
 from .writer import output_schema, output_table
 
 log = logging.getLogger("batchfit.bulk")
@@ -137,14 +137,11 @@ def run_job(
         if manifest.parts:
             log.info("resuming: %d parts finished earlier are skipped", len(manifest.parts))
         reserve = Reserve()
-        probe = probes_for_device(info.device, memory_limit_bytes=spec.memory_limit)
-        sizer = make_sizer(
+        # Its first pass starts torch's threads: every thread before a memory limit applies.
+        runner = build_runner(
             model, max_items=spec.max_batch_size, max_tokens=spec.max_batch_tokens,
-            headroom=spec.memory_headroom,
+            headroom=spec.memory_headroom, memory_limit=spec.memory_limit, reserve=reserve,
         )  # fmt: skip
-        runner = Runner(model, sizer, probe, reserve=reserve)
-        # The first pass starts torch's threads: every thread before a memory limit applies.
-        model.forward(model.synthetic_items(1, 8))
         reader = PartReader(
             read_input_rows(files, fields), part_rows=spec.part_rows, manifest=manifest,
             prepare=lambda rows: prepare(model, rows), strict=spec.strict, reserve=reserve,
@@ -161,7 +158,7 @@ def run_job(
         reader_thread.start()
         writer_thread.start()
         if spec.memory_limit is not None and info.device == "cpu":
-            _limit_host_memory(probe, spec.memory_limit)
+            _limit_host_memory(runner.probe, spec.memory_limit)
         log.info("warming up: the largest batches the memory budget allows")
         runner.warm_up()
         go.set()

@@ -171,7 +171,7 @@ def _lock(directory: Path) -> int:
 
 
 def _clear(directory: Path) -> None:
-    for pattern in (MANIFEST, REJECTS, "part-*.parquet", ".*.tmp"):
+    for pattern in (MANIFEST, REJECTS, "part-*.parquet", "ray-part-*", ".*.tmp"):
         for path in directory.glob(pattern):
             path.unlink()
     sync_directory(directory)

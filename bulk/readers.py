@@ -116,7 +116,7 @@ def read_rows(files: Sequence[InputFile], fields: Fields) -> Iterator[Row | Reje
     for file in files:
         for line, values, reason in _records(file, fields):
             if reason is None:
-                reason = _problem(values, fields)
+                reason = row_problem(values, fields)
             if reason is not None:
                 yield Reject(number, file.path, line, reason)
             else:
@@ -149,7 +149,8 @@ def _count_lines(path: str) -> int:
     return count + (last != b"\n")
 
 
-def _problem(values: dict[str, Any], fields: Fields) -> str | None:
+def row_problem(values: dict[str, Any], fields: Fields) -> str | None:
+    """Why a row's values cannot be used (a missing field, empty text...), or None."""
     for name in fields.names():
         value = values.get(name)
         if value is None:

@@ -27,6 +27,7 @@ from batching import (
     WarmUp,
     measured_forward,
     prior_peak_model,
+    probes_for_device,
     split,
     tune_host_allocator,
 )
@@ -110,6 +111,18 @@ class RunStats:
     """The most memory the process held (resident on a CPU, allocated on a GPU)."""
     budget: BatchBudget | None = None
     """The budget of the last window's plan."""
+
+
+def build_runner(
+    model: Model, *, max_items: int, max_tokens: int, headroom: float,
+    memory_limit: int | None = None, reserve: Reserve | None = None,
+) -> Runner:  # fmt: skip
+    """A runner for ``model`` with the server's sizer and memory probe for its device. Call
+    on the model thread; it runs one small pass, which starts torch's threads."""
+    probe = probes_for_device(model.info.device, memory_limit_bytes=memory_limit)
+    sizer = make_sizer(model, max_items=max_items, max_tokens=max_tokens, headroom=headroom)
+    model.forward(model.synthetic_items(1, 8))
+    return Runner(model, sizer, probe, reserve=reserve)
 
 
 def make_sizer(model: Model, *, max_items: int, max_tokens: int, headroom: float) -> AdaptiveSizer:
