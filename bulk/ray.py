@@ -76,9 +76,10 @@ def run(
     ``batch_rows`` rows go to an actor at once: its window, sorted by length and cut into
     batches under its live memory budget. By default there is one actor per GPU in the
     cluster (one GPU each), or on a cluster without GPUs one per node (each with that node's
-    CPUs but one, which Ray Data's read tasks need). Rows whose text is missing or empty are left out. Without ``out`` the result is
-    lazy, as Ray Data's are; with it, the job runs to the end here (``materialize()``) and
-    its parts and manifest are written. Returns the output Dataset."""
+    CPUs but one, which Ray Data's read tasks need). Rows whose text is missing or empty are
+    left out. Without ``out`` the result is lazy, as Ray Data's are; with it, the job runs to
+    the end here (``materialize()``) and its parts and manifest are written. Returns the
+    output Dataset."""
     import ray
 
     num_actors, num_gpus, num_cpus = _actors(ray, num_actors, num_gpus_per_actor,
