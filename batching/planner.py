@@ -118,11 +118,7 @@ def plan_batch(
 
 
 def cheapest_partition(
-    costs: Sequence[int],
-    budget: BatchBudget,
-    predict_time: TimePredictor,
-    *,
-    per_batch: Callable[[int], int] | None = None,
+    costs: Sequence[int], budget: BatchBudget, predict_time: TimePredictor
 ) -> list[tuple[int, int]]:
     """Everything waiting split, in length order, into the runs of lengths with the least
     predicted time in all; each run as ``(shortest, longest)``, shortest run first.
@@ -135,9 +131,6 @@ def cheapest_partition(
     repeated lengths it is the cheapest that keeps each length in one run (a window of
     lengths cannot send some items of a length to one batch and the rest to another, which
     can save a pass).
-
-    ``per_batch(longest)`` is the most items of that length one pass may hold; by default
-    the budget's item and token caps (``largest_batch`` counts its memory budget too).
     """
     counts: dict[int, int] = {}
     for cost in costs:
@@ -147,17 +140,14 @@ def cheapest_partition(
     start = [0] * (len(lengths) + 1)
     for end in range(1, len(lengths) + 1):
         longest = lengths[end - 1]
-        if per_batch is None:
-            fits = max(1, min(budget.max_items, budget.max_tokens // longest))
-        else:
-            fits = max(1, per_batch(longest))
+        per_batch = max(1, min(budget.max_items, budget.max_tokens // longest))
         best[end], start[end] = math.inf, end - 1
         num_items = 0
         for first in range(end - 1, -1, -1):
             num_items += counts[lengths[first]]
-            if first < end - 1 and num_items > fits:
+            if first < end - 1 and num_items > per_batch:
                 break
-            passes = -(-num_items // fits)
+            passes = -(-num_items // per_batch)
             total = best[first] + passes * predict_time(-(-num_items // passes), longest)
             if total < best[end]:
                 best[end], start[end] = total, first

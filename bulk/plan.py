@@ -53,7 +53,8 @@ def plan_window(
     """Indices into ``costs`` grouped into batches, each sorted by length (ties by index),
     the batches shortest first. Each run of ``cheapest_partition`` is cut into the fewest
     equal passes that ``largest_batch`` admits at its longest length (the memory budget
-    included); an input over budget even alone runs alone."""
+    included: the partition itself sees only the item and token caps); an input over budget
+    even alone runs alone."""
     if not costs:
         return []
     per_batch = functools.lru_cache(maxsize=None)(
@@ -62,7 +63,7 @@ def plan_window(
     order = sorted(range(len(costs)), key=lambda i: (costs[i], i))
     batches: list[list[int]] = []
     start = 0
-    for _, longest in cheapest_partition(costs, budget, predict_time, per_batch=per_batch):
+    for _, longest in cheapest_partition(costs, budget, predict_time):
         end = start
         while end < len(order) and costs[order[end]] <= longest:
             end += 1
