@@ -162,11 +162,14 @@ def run_job(
         log.info("warming up: the largest batches the memory budget allows")
         runner.warm_up()
         go.set()
-        skipped, compute_s, memory_rejects = _run_parts(
-            reader, reader_thread, writer, writer_thread, runner, progress
-        )
-        writer.parts.put(END)
-        writer_thread.join()
+        try:
+            skipped, compute_s, memory_rejects = _run_parts(
+                reader, reader_thread, writer, writer_thread, runner, progress
+            )
+        finally:
+            # The parts already computed are written, even when the loop failed (Ctrl-C, a
+            # crash): only a kill loses them.
+            _finish_writing(writer, writer_thread)
         _raise_from(writer_thread)
         counter.join()
         rows = manifest.parts[-1].first_row + manifest.parts[-1].rows if manifest.parts else 0
@@ -251,6 +254,16 @@ def _put(writer: PartWriter, writer_thread: Worker, output: PartOutput) -> None:
             return
         except queue.Full:
             continue
+
+
+def _finish_writing(writer: PartWriter, writer_thread: Worker) -> None:
+    while writer_thread.is_alive():
+        try:
+            writer.parts.put(END, timeout=0.5)
+            break
+        except queue.Full:
+            continue
+    writer_thread.join()
 
 
 def _raise_from(worker: Worker) -> None:

@@ -73,3 +73,12 @@ class FakeEmbedder:
         if self.info.task == "rerank":
             return [len(item.data) / 1000 for item in items]
         return [expected_embedding(item.data) for item in items]
+
+
+def fake_embedder() -> FakeEmbedder:
+    """Entry point for ``--model python:tests.bulk_fakes:fake_embedder``."""
+    return FakeEmbedder()
+
+
+def other_fake_embedder() -> FakeEmbedder:
+    return FakeEmbedder(name="other")
