@@ -142,7 +142,7 @@ def test_string_ids_and_an_id_unlike_the_first(tmp_path):
 
 
 def test_classify_and_rerank_write_their_own_columns(tmp_path):
-    pairs = [("q1", "a"), ("q1", "bb"), ("q2", "ccc")]
+    pairs = [("q1", "a"), ("q1", "bb"), ("query two", "ccc")]
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": t, "query": q} for q, t in pairs])
     run_job(
         JobSpec((str(path),), str(tmp_path / "c"), task="classify"),
@@ -156,10 +156,7 @@ def test_classify_and_rerank_write_their_own_columns(tmp_path):
     table = read_parts(tmp_path / "r")
     assert table.column_names == ["id", "score"]
     # Each document with its own row's query: the fake scores the pair's encoded length.
-    expected = [
-        len(orjson.dumps([q, t]).decode()) / 1000
-        for q, t in [("q1", "a"), ("q1", "bb"), ("q2", "ccc")]
-    ]
+    expected = [len(orjson.dumps([q, t]).decode()) / 1000 for q, t in pairs]
     assert table["score"].to_pylist() == pytest.approx(expected)
 
 

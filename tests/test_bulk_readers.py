@@ -16,7 +16,8 @@ from bulk.readers import (
 )
 
 
-def rows_of(paths, fields=Fields(), input_format=None):
+def rows_of(paths, fields=None, input_format=None):
+    fields = fields or Fields()
     files = expand_inputs([str(p) for p in paths], input_format)
     check_fields(files, fields)
     return list(read_rows(files, fields)), files
@@ -61,14 +62,7 @@ def test_id_field_and_its_bad_values(tmp_path):
 
 def test_csv_with_quoted_newlines_short_rows_and_undecodable_lines(tmp_path):
     path = tmp_path / "a.csv"
-    path.write_bytes(
-        b"id,text\n"
-        b'1,"two\nlines"\n'
-        b"2\n"
-        b"3,\xff\xfe\n"
-        b"\n"
-        b"4,plain\n"
-    )
+    path.write_bytes(b'id,text\n1,"two\nlines"\n2\n3,\xff\xfe\n\n4,plain\n')
     rows, _ = rows_of([path], Fields(id="id"))
     assert rows[0] == Row(0, "1", "two\nlines", None, str(path), 2)
     assert (rows[1].line, rows[1].reason) == (4, "missing field 'text'")
