@@ -159,6 +159,7 @@ def run_job(
         writer_thread.start()
         if spec.memory_limit is not None and info.device == "cpu":
             _limit_host_memory(runner.probe, spec.memory_limit)
+        _log_memory_limit(runner)
         log.info("warming up: the largest batches the memory budget allows")
         runner.warm_up()
         go.set()
@@ -371,6 +372,18 @@ def model_fingerprint(source: str) -> str:
 
 def _hidden(file: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in file.relative_to(root).parts)
+
+
+def _log_memory_limit(runner: Runner) -> None:
+    """Say which limit binds before the first batch: warm-up runs under it too."""
+    reading = runner.read()
+    if reading is None or reading.limit is None:
+        log.info("memory limit: none read (no memory probe)")
+        return
+    log.info(
+        "memory limit: %s, %d MiB free under it",
+        reading.limit.describe(), (reading.free_bytes or 0) >> 20,
+    )  # fmt: skip
 
 
 def _limit_host_memory(probe: Any, limit_bytes: int) -> None:
