@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +190,7 @@ class BulkActor:
                 "key": key, "file": written.name, "rows": len(rows) + len(rejects),
                 "outputs": len(ids), "rejects": [r.record() for r in rejects],
                 "input_sha256": digest, "size_bytes": written.size_bytes,
-                "sha256": written.sha256,
+                "sha256": written.sha256, "worker": f"{socket.gethostname()}:{os.getpid()}",
             }  # fmt: skip
             write_atomically(self.out, f"{PART_PREFIX}{key}.json", orjson.dumps(record))
         return table
