@@ -9,7 +9,7 @@ $(VENV)/.installed: pyproject.toml
 	@echo "batchfit: creating the virtual environment in $(VENV) (first run only; about 2 minutes in all)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	@# torch is pinned on its own first: any other spec pulls a multi-GB CUDA build here.
+	@# torch first, on its own and pinned: the largest download, and the tested version.
 	@echo "batchfit: installing torch 2.13.0 (the largest download; about a minute)"
 	$(PY) -m pip install --quiet torch==2.13.0
 	@echo "batchfit: installing batchfit and its dependencies"

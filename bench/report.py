@@ -16,6 +16,7 @@ REPORT = "report.md"
 FIGURES = "results.json"
 THROUGHPUT_PLOT = "throughput_vs_p99.png"
 TIMELINE_PLOT = "timeline.png"
+BATCH_COLOR = "#1f77b4"
 
 
 def _ms(seconds: float) -> str:
@@ -124,6 +125,20 @@ def target_table(rows: Sequence[Target]) -> str:
     return "\n".join(lines)
 
 
+QUICK_NOTE = (
+    "This was a quick run (`--quick`): a smoke test that shows the benchmark works end to end. "
+    "Its counts are small and its replicas start together, so its figures are not comparable "
+    "with the targets, which are left out. Run `batchfit bench` without `--quick` on an "
+    "otherwise idle host to measure against them."
+)
+
+
+def target_section(result: BenchResult) -> list[str]:
+    if result.options.quick:
+        return [QUICK_NOTE, ""]
+    return [target_table(targets(result)), ""]
+
+
 def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
     o, limit = result.options, result.limit
     load = ", ".join(f"{x:.2f}" for x in result.load_average)
@@ -163,8 +178,7 @@ def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
         *overhead_table(result.overhead),
         "## Targets",
         "",
-        target_table(targets(result)),
-        "",
+        *target_section(result),
     ]
     if plots:
         parts += [
@@ -191,7 +205,8 @@ def to_json(result: BenchResult) -> dict[str, object]:
         return value
 
     data = dataclasses.asdict(result)
-    data["targets"] = [dataclasses.asdict(t) for t in targets(result)]
+    reported = [] if result.options.quick else targets(result)
+    data["targets"] = [dataclasses.asdict(t) for t in reported]
     return clean(data)  # type: ignore[return-value]
 
 
@@ -229,7 +244,9 @@ def plot_timeline(result: BenchResult, path: Path) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     series = batch_size_series(result.timeline)
-    top.plot([t for t, _ in series], [b for _, b in series], "-", drawstyle="steps-pre")
+    # Points as well as lines: a load level short enough to give one point still shows.
+    top.plot([t for t, _ in series], [b for _, b in series], "o-", markersize=3,
+             drawstyle="steps-pre", color=BATCH_COLOR)  # fmt: skip
     top.set_ylabel("mean batch size")
     top.set_title(f"{result.timeline_config} at {result.timeline_load}")
     top.grid(True, alpha=0.3)

@@ -61,6 +61,8 @@ class BenchOptions:
     extra_server_flags: tuple[str, ...] = ()
     parallel_start: bool = False
     """Start every configuration's replica at once (quicker, less isolated)."""
+    quick: bool = False
+    """A smoke test (``--quick``): its figures are not set against the targets."""
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.configs if c not in SERVER_CONFIGS]
@@ -365,6 +367,7 @@ def quick_options(**overrides: object) -> BenchOptions:
         "overhead_requests": 40,
         "max_level_s": 20.0,
         "parallel_start": True,
+        "quick": True,
     }
     base.update(overrides)
     return BenchOptions(**base)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from .base import ArchitectureShape, Item, Model, ModelInfo
 from .custom import load_entry_point, parse_entry_point
+from .description import ModelDescription, describe
 from .errors import (
     DeviceError,
     InputTooLong,
@@ -12,7 +13,9 @@ from .errors import (
     translate_error,
 )
 from .loading import BUNDLED_MODEL, ModelSpec, available_cpus, load_model, resolve_device
+from .postprocess import top_labels, truncate_dimensions
 from .profiling import BatchProfiler, ProfilerBusy, ProfileStatus
+from .prompts import UnknownPrompt, resolve_prompt
 from .quantization import quantize_int8
 from .text import TextModel
 
@@ -24,6 +27,7 @@ __all__ = [
     "InputTooLong",
     "Item",
     "Model",
+    "ModelDescription",
     "ModelError",
     "ModelInfo",
     "ModelLoadError",
@@ -32,12 +36,17 @@ __all__ = [
     "ProfileStatus",
     "ProfilerBusy",
     "TextModel",
+    "UnknownPrompt",
     "available_cpus",
+    "describe",
     "is_out_of_memory",
     "load_entry_point",
     "load_model",
     "parse_entry_point",
     "quantize_int8",
     "resolve_device",
+    "resolve_prompt",
+    "top_labels",
     "translate_error",
+    "truncate_dimensions",
 ]

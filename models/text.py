@@ -1,54 +1,40 @@
-"""Adapters for Hugging Face text encoders: sentence embedding and sequence classification."""
+"""The adapter for Hugging Face text models: embedders (encoders and decoders), classifiers
+and cross-encoders. What follows the forward pass is the model's postprocess."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tokenizers import Tokenizer
 
 from .base import ArchitectureShape, Item, ModelInfo
+from .description import ModelDescription, activation_name
 from .errors import InputTooLong, translate_error
-
-Postprocess = Callable[[Any, torch.Tensor], list[Any]]
-
-
-def mean_pool_normalize(output: Any, attention_mask: torch.Tensor) -> list[Any]:
-    """Attention-masked mean pooling then L2 normalisation, as sentence-transformers does."""
-    hidden = output.last_hidden_state
-    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    summed = (hidden * mask).sum(dim=1)
-    counts = mask.sum(dim=1).clamp(min=1e-9)
-    pooled = torch.nn.functional.normalize(summed / counts, p=2, dim=1)
-    return list(pooled.float().cpu().numpy())
+from .postprocess import Postprocess
 
 
-def make_classifier_postprocess(id2label: dict[int, str]) -> Postprocess:
-    def postprocess(output: Any, attention_mask: torch.Tensor) -> list[Any]:
-        probs = torch.softmax(output.logits.float(), dim=-1)
-        scores, labels = probs.max(dim=-1)
-        return [
-            {"label": id2label.get(int(label), str(int(label))), "score": float(score)}
-            for label, score in zip(labels.tolist(), scores.tolist(), strict=True)
-        ]
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """One input's token ids; a pair's segment ids; how many leading tokens are its prompt
+    (0 unless pooling leaves the prompt out)."""
 
-    return postprocess
-
-
-def relevance_scores(output: Any, attention_mask: torch.Tensor) -> list[Any]:
-    """A cross-encoder's one logit through a sigmoid, as sentence-transformers' CrossEncoder
-    scores a model with one label."""
-    return torch.sigmoid(output.logits.float()[:, 0]).tolist()
+    ids: list[int]
+    type_ids: list[int] | None = None
+    prompt_length: int = 0
 
 
 class TextModel:
-    """A transformers encoder behind the model contract.
+    """A transformers model behind the model contract.
 
     Two tokenizer copies are configured once at load (one truncating, one not) and never
     mutated afterwards, so they can encode from any thread without the fast tokenizer's
-    "Already borrowed" errors.
+    "Already borrowed" errors. Batches are padded on the right; the postprocess reads each
+    row's real tokens from the attention mask.
     """
 
     def __init__(
@@ -65,6 +51,9 @@ class TextModel:
         shape: ArchitectureShape,
         device: torch.device,
         quantize: str = "none",
+        description: ModelDescription | None = None,
+        special_ids: frozenset[int] = frozenset(),
+        truncation_side: str = "right",
     ) -> None:
         self._module = module
         self._device = device
@@ -75,18 +64,32 @@ class TextModel:
         self._pin_memory = device.type == "cuda"
         self._pad_token_id = pad_token_id
         self._postprocess = postprocess
+        self._special_ids = special_ids
+        self._prompt_lengths: dict[str, int] = {}
         # NOTE: the signature, not ``forward.__code__``: transformers wraps ``forward`` in
         # decorators whose code object takes only ``*args, **kwargs``, which silently dropped
         # the segment ids of every pair.
-        self._accepts_token_type_ids = (
-            "token_type_ids" in inspect.signature(module.forward).parameters
-        )
-        self._full = Tokenizer.from_str(tokenizer.to_str())
+        parameters = inspect.signature(module.forward).parameters
+        self._accepts_token_type_ids = "token_type_ids" in parameters
+        # A decoder would otherwise build a key/value cache nobody reads.
+        self._accepts_use_cache = "use_cache" in parameters
+        pooling = description.pooling if description is not None else None
+        self._exclude_prompt = pooling is not None and not pooling.include_prompt
+        source = tokenizer.to_str()
+        if description is not None and description.do_lower_case:
+            source = _lowercased(source)
+        self._full = Tokenizer.from_str(source)
         self._full.no_truncation()
         self._full.no_padding()
-        self._truncating = Tokenizer.from_str(tokenizer.to_str())
-        self._truncating.enable_truncation(max_length=max_input_tokens)
+        self._truncating = Tokenizer.from_str(source)
+        self._truncating.enable_truncation(max_length=max_input_tokens, direction=truncation_side)
         self._truncating.no_padding()
+        # Any non-special id works for warm-up: 1000 where the vocabulary has it.
+        vocab_size = self._full.get_vocab_size()
+        self._filler_id = next(
+            i for i in (1000, *range(vocab_size - 1, -1, -1))
+            if i < vocab_size and i not in special_ids
+        )  # fmt: skip
         dtype = next(module.parameters()).dtype
         self.info = ModelInfo(
             name=name,
@@ -98,70 +101,103 @@ class TextModel:
             output_dim=output_dim,
             shape=shape,
             quantize=quantize,
+            pooling=pooling.name if pooling is not None else None,
+            normalize=description.normalize if description and task == "embed" else None,
+            prompts=dict(description.prompts) if description else {},
+            default_prompt_name=description.default_prompt_name if description else None,
+            activation=activation_name(description.head_activation) if description else None,
         )
 
-    def prepare(self, inputs: Sequence[str], *, truncate: bool) -> list[Item]:
-        return self._items(list(inputs), truncate=truncate, pairs=False)
+    def prepare(
+        self, inputs: Sequence[str], *, truncate: bool, prompt: str | None = None
+    ) -> list[Item]:
+        """One item per input; a prompt goes in front of each input's text, as
+        sentence-transformers puts it, and its tokens count in the item's cost."""
+        texts = [prompt + text for text in inputs] if prompt else list(inputs)
+        return self._items(texts, truncate=truncate, pairs=False, prompt=prompt)
 
     def prepare_pairs(
-        self, query: str, documents: Sequence[str], *, truncate: bool = True
-    ) -> list[Item]:
+        self, query: str, documents: Sequence[str], *, truncate: bool = True,
+        prompt: str | None = None,
+    ) -> list[Item]:  # fmt: skip
         """One item per (query, document) pair, encoded as the tokenizer encodes a pair (with
-        its separators and segment ids); truncation shortens the longer side first."""
+        its separators and segment ids); truncation shortens the longer side first. A prompt
+        goes in front of the query."""
+        query = prompt + query if prompt else query
         pairs = [(query, document) for document in documents]
-        return self._items(pairs, truncate=truncate, pairs=True)
+        return self._items(pairs, truncate=truncate, pairs=True, prompt=None)
 
-    def _items(self, inputs: list[Any], *, truncate: bool, pairs: bool) -> list[Item]:
+    def _items(
+        self, inputs: list[Any], *, truncate: bool, pairs: bool, prompt: str | None
+    ) -> list[Item]:
         tokenizer = self._truncating if truncate else self._full
         limit = self.info.max_input_tokens
+        prompt_length = self._prompt_length(prompt) if prompt and self._exclude_prompt else 0
         items = []
         for index, encoding in enumerate(tokenizer.encode_batch_fast(inputs)):
             ids = encoding.ids
             if len(ids) > limit:
                 raise InputTooLong(index, len(ids), limit)
-            data = (ids, encoding.type_ids) if pairs else ids
+            data = Tokens(ids, encoding.type_ids if pairs else None, prompt_length)
             items.append(Item(data=data, cost=len(ids)))
         return items
 
+    def _prompt_length(self, prompt: str) -> int:
+        """The prompt's tokens as sentence-transformers counts them: the prompt encoded alone,
+        less a trailing special token (an end-of-sequence or separator)."""
+        found = self._prompt_lengths.get(prompt)
+        if found is None:
+            ids = self._truncating.encode(prompt).ids
+            found = len(ids) - 1 if ids and ids[-1] in self._special_ids else len(ids)
+            if len(self._prompt_lengths) < 256:  # literal prompts come from clients
+                self._prompt_lengths[prompt] = found
+        return found
+
     def synthetic_items(self, num_items: int, length: int) -> list[Item]:
         length = max(2, min(length, self.info.max_input_tokens))
-        # Any non-special id works; 1000 exists in every vocabulary we load.
-        ids = [1000] * length
-        return [Item(data=ids, cost=length) for _ in range(num_items)]
+        tokens = Tokens([self._filler_id] * length)
+        return [Item(data=tokens, cost=length) for _ in range(num_items)]
 
     def collate(
         self, items: Sequence[Item], *, pin_memory: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Padded ids, attention mask and segment ids (non-zero only for pairs), on the host."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Padded ids, attention mask, segment ids (non-zero only for pairs) and each row's
+        prompt length to leave out of pooling, on the host."""
         max_len = max(item.cost for item in items)
         shape = (len(items), max_len)
         input_ids = torch.full(shape, self._pad_token_id, dtype=torch.long, pin_memory=pin_memory)
         attention_mask = torch.zeros(shape, dtype=torch.long, pin_memory=pin_memory)
         token_type_ids = torch.zeros(shape, dtype=torch.long, pin_memory=pin_memory)
+        prompt_lengths = torch.zeros(len(items), dtype=torch.long, pin_memory=pin_memory)
         for row, item in enumerate(items):
-            if isinstance(item.data, tuple):  # a pair: (ids, segment ids)
-                ids, type_ids = item.data
-                token_type_ids[row, : item.cost] = torch.tensor(type_ids, dtype=torch.long)
-            else:
-                ids = item.data
-            input_ids[row, : item.cost] = torch.tensor(ids, dtype=torch.long)
+            tokens: Tokens = item.data
+            input_ids[row, : item.cost] = torch.tensor(tokens.ids, dtype=torch.long)
             attention_mask[row, : item.cost] = 1
-        return input_ids, attention_mask, token_type_ids
+            if tokens.type_ids is not None:
+                token_type_ids[row, : item.cost] = torch.tensor(tokens.type_ids, dtype=torch.long)
+            prompt_lengths[row] = tokens.prompt_length
+        return input_ids, attention_mask, token_type_ids, prompt_lengths
 
     def forward(self, items: Sequence[Item]) -> list[Any]:
-        input_ids, attention_mask, token_type_ids = self.collate(items, pin_memory=self._pin_memory)
+        input_ids, attention_mask, token_type_ids, prompt_lengths = self.collate(
+            items, pin_memory=self._pin_memory
+        )
         error: BaseException | None = None
         try:
             with torch.inference_mode():
                 input_ids = input_ids.to(self._device, non_blocking=self._pin_memory)
                 attention_mask = attention_mask.to(self._device, non_blocking=self._pin_memory)
-                kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+                kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
                 if self._accepts_token_type_ids:
                     kwargs["token_type_ids"] = token_type_ids.to(
                         self._device, non_blocking=self._pin_memory
                     )
+                if self._accepts_use_cache:
+                    kwargs["use_cache"] = False
                 output = self._module(**kwargs)
-                results = self._postprocess(output, attention_mask)
+                if self._exclude_prompt:  # else every row's is 0 and pooling never reads them
+                    prompt_lengths = prompt_lengths.to(self._device, non_blocking=self._pin_memory)
+                results = self._postprocess(output, attention_mask, prompt_lengths)
                 del output
         except Exception as exc:
             error = translate_error(exc)
@@ -172,6 +208,32 @@ class TextModel:
             # frames holding the failed batch's tensors) stays reachable from our error.
             raise error
         return results
+
+
+def _lowercased(tokenizer_json: str) -> str:
+    """The tokenizer with a Lowercase normalizer in front, unless it lowercases already
+    (sentence-transformers' ``do_lower_case``)."""
+    spec = json.loads(tokenizer_json)
+    existing = spec.get("normalizer")
+    if _lowercases(existing):
+        return tokenizer_json
+    if existing is None:
+        rest = []
+    elif existing.get("type") == "Sequence":
+        rest = list(existing.get("normalizers", []))
+    else:
+        rest = [existing]
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Lowercase"}, *rest]}
+    return json.dumps(spec)
+
+
+def _lowercases(spec: Any) -> bool:
+    if not isinstance(spec, dict):
+        return False
+    kind = spec.get("type")
+    if kind == "Lowercase" or (kind == "BertNormalizer" and spec.get("lowercase")):
+        return True
+    return kind == "Sequence" and any(_lowercases(n) for n in spec.get("normalizers", []))
 
 
 def _num_parameters(module: torch.nn.Module) -> int:

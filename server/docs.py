@@ -1,5 +1,6 @@
-"""Generated parts of the user docs: the serve flag table (from ``Settings``) in README.md and
-the metric table (from a replica's registry) in docs/observability.md.
+"""Generated parts of the user docs: the serve flag table (from ``Settings``) and the error
+table (from ``server/errors.py``'s ``ERROR_TYPES``) in README.md, and the metric table (from a
+replica's registry) in docs/observability.md.
 
 ``python -m server.docs`` rewrites them; ``python -m server.docs --check`` exits 1 when a file
 is stale (a test runs it). Each region sits between ``<!-- BEGIN GENERATED name -->`` and
@@ -12,12 +13,13 @@ import argparse
 import re
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
+from .errors import ERROR_TYPES, ErrorType
 from .settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +38,7 @@ def _default(value: object) -> str:
     if isinstance(value, str):
         return f"`{value}`"
     if isinstance(value, tuple):  # a repeatable flag
-        return ", ".join(_default(v) for v in value)
+        return ", ".join(_default(v) for v in value) or "unset"
     return str(value)
 
 
@@ -53,6 +55,17 @@ def flag_table(settings_class: type[BaseModel] = Settings, prefix: str = "BATCHF
         rows.append(
             f"| {shown} | `{prefix}{name.upper()}` | {_default(field.default)} | {_cell(meaning)} |"
         )
+    return "\n".join(rows)
+
+
+def error_table(error_types: Iterable[ErrorType] | None = None) -> str:
+    """One row per ``error_type``, by status: who answers it and when."""
+    kinds = list(ERROR_TYPES.values() if error_types is None else error_types)
+    rows = ["| status | error_type | answered by | when |", "| --- | --- | --- | --- |"]
+    for kind in sorted(kinds, key=lambda k: k.statuses[0] if k.statuses else 999):
+        status = " or ".join(map(str, kind.statuses)) or "as raised"
+        by = ", ".join(kind.answered_by)
+        rows.append(f"| {status} | `{kind.name}` | {by} | {_cell(kind.when)} |")
     return "\n".join(rows)
 
 
@@ -91,7 +104,7 @@ def metric_table(registry: CollectorRegistry | None = None) -> str:
 
 
 REGIONS: dict[str, dict[str, Callable[[], str]]] = {
-    "README.md": {"serve-flags": flag_table},
+    "README.md": {"serve-flags": flag_table, "error-types": error_table},
     "docs/observability.md": {"metrics": metric_table},
 }
 

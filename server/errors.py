@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import orjson
 from fastapi import FastAPI, Request
@@ -12,17 +13,115 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from batching import DeadlineExceeded, InferenceFailed, OutOfMemory, QueueFull, ShuttingDown
-from models import InputTooLong
+from models import InputTooLong, UnknownPrompt
 
 log = logging.getLogger(__name__)
 
+REPLICA = "replica"
+NGINX = "Nginx"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorType:
+    """One ``error_type`` a client can be answered: its status codes (the first is the usual
+    one; empty: whatever status the HTTP framework raised), who answers it, and when."""
+
+    name: str
+    statuses: tuple[int, ...]
+    when: str
+    answered_by: tuple[str, ...] = (REPLICA,)
+
+
+# NOTE: the one list of error types. ApiError refuses a type (or a status) missing here, the
+# README's error table is generated from it (python -m server.docs), and the Nginx template's
+# own error bodies are checked against the NGINX entries (tests/test_deploy.py).
+_ERROR_TYPES = (
+    ErrorType("invalid_json", (400,), "the body is not valid JSON, or not UTF-8"),
+    ErrorType("empty_input", (400,),
+              "no inputs, or an empty string among them (also an empty `query` or `documents` "
+              "on `/v1/rerank`)"),
+    ErrorType("wrong_task", (400,),
+              "the model does another task than the endpoint serves (a reranker on `/v1/infer`, "
+              "an embedder on `/v1/rerank`)"),
+    ErrorType("unsupported_parameter", (400,),
+              "a parameter the model cannot honour: `dimensions` for a model that does not "
+              "embed, `top_k` for one that does not classify"),
+    ErrorType("unknown_prompt", (400,),
+              "`prompt_name` names no prompt of the model (the message lists its prompts)"),
+    ErrorType("invalid_dimensions", (400,),
+              "`dimensions` outside 1 to the model's output size (`output_dim`)"),
+    ErrorType("unsupported_input", (400,), "token-id arrays instead of text on `/v1/embeddings`"),
+    ErrorType("unauthorized", (401,),
+              "the API key (or, on `/admin`, the admin token) is missing or wrong "
+              "(`WWW-Authenticate: Bearer`)"),
+    ErrorType("model_not_found", (404,),
+              "`model` (or the v2 path) names no served model; the message lists those served"),
+    ErrorType("not_found", (404,),
+              "no such route (behind Nginx: any path outside the API), or a v2 model version "
+              "other than 1", (REPLICA, NGINX)),
+    ErrorType("method_not_allowed", (405,),
+              "a route called with another method (`GET /v1/infer`)"),
+    ErrorType("profile_busy", (409,),
+              "`POST /admin/profile` while a profile is armed or recording"),
+    ErrorType("payload_too_large", (413,), "the body is larger than `--max-body-bytes`",
+              (REPLICA, NGINX)),
+    ErrorType("too_many_inputs", (413,), "more inputs than `--max-inputs-per-request`"),
+    ErrorType("input_too_long", (413,),
+              "with `truncate: false`, an input longer than the model's maximum"),
+    ErrorType("unsupported_media_type", (415,), "a body declared as something other than JSON"),
+    ErrorType("invalid_request", (422, 400),
+              "schema errors: wrong types, unknown fields, `timeout_s` not a positive finite "
+              "number, `priority` out of range, text with lone surrogates, both `prompt` and "
+              "`prompt_name` (400 on "
+              "`/v1/embeddings` and `/v2`, as those protocols answer)"),
+    ErrorType("invalid_top_n", (422,),
+              "`top_n` on `/v1/rerank` outside 1 to the number of documents"),
+    ErrorType("invalid_top_k", (422,), "`top_k` on `/v1/infer` below 1"),
+    ErrorType("overloaded", (429,),
+              "the replica's queue is full; `Retry-After` says when to retry"),
+    ErrorType("rate_limited", (429,),
+              "one client sent more than Nginx's per-client rate (`--rate-limit-rps` and "
+              "`--rate-limit-burst` of `batchfit up`); `Retry-After` set", (NGINX,)),
+    ErrorType("not_ready", (503,), "loading or warming up; `Retry-After` set"),
+    ErrorType("draining", (503,), "stopping (after SIGTERM); `Retry-After` set"),
+    ErrorType("unavailable", (503,),
+              "no replica could answer (every one down, loading or draining); `Retry-After` set",
+              (NGINX,)),
+    ErrorType("deadline_exceeded", (504,), "the request's deadline passed before its answer"),
+    ErrorType("gateway_timeout", (504,),
+              "a replica did not answer within Nginx's read timeout", (NGINX,)),
+    ErrorType("out_of_memory", (507,), "one input does not fit in memory even alone"),
+    ErrorType("internal_error", (500,), "anything else (the traceback goes to the log only)"),
+    ErrorType("profile_dir_unwritable", (500,),
+              "`POST /admin/profile` when `--profile-dir` cannot be created"),
+    ErrorType("http_error", (), "any other error the HTTP framework answers itself"),
+)  # fmt: skip
+ERROR_TYPES: dict[str, ErrorType] = {kind.name: kind for kind in _ERROR_TYPES}
+
+
+def check_error_type(status: int, error_type: str) -> None:
+    """Refuse an ``error_type`` (or a status for it) that ``ERROR_TYPES`` does not list."""
+    kind = ERROR_TYPES.get(error_type)
+    if kind is None:
+        raise ValueError(f"error type {error_type!r} is not in server/errors.py ERROR_TYPES")
+    if kind.statuses and status not in kind.statuses:
+        raise ValueError(f"error type {error_type!r} is not answered with status {status}")
+
+
+def error_body(error_type: str, message: str, request_id: str, *, status: int) -> bytes:
+    """Our JSON error shape, for the places that answer without an ``ApiError``."""
+    check_error_type(status, error_type)
+    return orjson.dumps({"error": message, "error_type": error_type, "request_id": request_id})
+
 
 class ApiError(Exception):
-    """An error with its HTTP status and ``error_type``, raised anywhere on the request path."""
+    """An error with its HTTP status and ``error_type``, raised anywhere on the request path.
+    The type must be one of ``ERROR_TYPES``."""
 
     def __init__(
         self, status: int, error_type: str, message: str, *, retry_after_s: float | None = None
     ) -> None:
+        check_error_type(status, error_type)
         super().__init__(message)
         self.status = status
         self.error_type = error_type
@@ -63,6 +162,8 @@ def to_api_error(exc: BaseException) -> ApiError:
             return ApiError(429, "overloaded", str(exc), retry_after_s=exc.retry_after_s)
         case InputTooLong():
             return ApiError(413, "input_too_long", str(exc))
+        case UnknownPrompt():
+            return ApiError(400, "unknown_prompt", str(exc))
         case DeadlineExceeded():
             return ApiError(504, "deadline_exceeded", str(exc))
         case OutOfMemory():

@@ -9,6 +9,8 @@ from typing import Any
 
 from fastapi import Request
 
+from models import ModelInfo, resolve_prompt, top_labels, truncate_dimensions
+
 from .errors import ApiError
 from .runtime import ModelSlot, RequestTrace, Runtime
 
@@ -60,6 +62,61 @@ def check_inputs(runtime: Runtime, inputs: Sequence[str], field: str = "inputs")
             ) from None
 
 
+def check_prompt(prompt_name: str | None, prompt: str | None) -> None:
+    if prompt_name is not None and prompt is not None:
+        raise ApiError(
+            400, "invalid_request", "give prompt_name or prompt (a literal prompt), not both"
+        )
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(
+                422, "invalid_request", "prompt is not valid Unicode (lone surrogate)"
+            ) from None
+
+
+def check_dimensions(info: ModelInfo, dimensions: int | None) -> None:
+    """Matryoshka ``dimensions``: from 1 to the model's output size, embedders only."""
+    if dimensions is None:
+        return
+    if info.task != "embed" or not info.output_dim:
+        raise ApiError(
+            400, "unsupported_parameter",
+            f"dimensions applies to embedding models; {info.name!r} does {info.task}",
+        )  # fmt: skip
+    if not 1 <= dimensions <= info.output_dim:
+        raise ApiError(
+            400, "invalid_dimensions",
+            f"dimensions must be from 1 to {info.output_dim} (the size of {info.name!r}'s "
+            f"embeddings), got {dimensions}",
+        )  # fmt: skip
+
+
+def check_top_k(info: ModelInfo, top_k: int | None) -> None:
+    if top_k is None:
+        return
+    if info.task != "classify":
+        raise ApiError(
+            400, "unsupported_parameter",
+            f"top_k applies to classifiers; {info.name!r} does {info.task}",
+        )  # fmt: skip
+    if top_k < 1:
+        raise ApiError(422, "invalid_top_k", f"top_k must be at least 1, got {top_k}")
+
+
+def shape_outputs(
+    info: ModelInfo, outputs: list[Any], *, dimensions: int | None = None, top_k: int | None = None
+) -> list[Any]:
+    """The answer per input: embeddings cut to ``dimensions`` (renormalised when the model
+    normalises), a classifier's best label or its best ``top_k`` labels."""
+    if info.task == "classify":
+        return [top_labels(output, top_k) for output in outputs]
+    if dimensions is not None and dimensions != info.output_dim:
+        return [truncate_dimensions(o, dimensions, bool(info.normalize)) for o in outputs]
+    return outputs
+
+
 async def infer_for_request(
     request: Request,
     inputs: Sequence[str],
@@ -70,21 +127,28 @@ async def infer_for_request(
     priority: int = 0,
     model: str | None = None,
     query: str | None = None,
+    prompt_name: str | None = None,
+    prompt: str | None = None,
 ) -> tuple[list[Any], int]:
     """Queue the inputs for ``model`` (same queue, batcher and model thread as ``/v1/infer``)
     and wait, dropping them if the client disconnects. Returns the outputs and the token
-    count. With ``query``, each input is a document scored against it (reranking)."""
+    count (prompts included). With ``query``, each input is a document scored against it
+    (reranking). ``prompt_name`` or a literal ``prompt`` (else the model's default prompt)
+    goes in front of each input, or of the query."""
     runtime = runtime_of(request)
     config = runtime.config
     timeout_s = min(timeout_s or config.default_timeout_s, config.max_timeout_s)
-    name = runtime.slot(model).name
+    slot = runtime.slot(model)
+    name = slot.name
     request.state.model = name
+    check_prompt(prompt_name, prompt)
+    resolved = resolve_prompt(slot.info, prompt_name, prompt)
     # Read by the access log once the request has been answered.
     request.state.trace = trace = RequestTrace()
     work = asyncio.ensure_future(
         runtime.infer(
             inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
-            priority=priority, model=name, query=query, trace=trace,
+            priority=priority, model=name, query=query, trace=trace, prompt=resolved,
         )
     )  # fmt: skip
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))

@@ -12,10 +12,11 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
 
-import orjson
 import uvicorn
 from prometheus_client import CollectorRegistry, make_asgi_app
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .errors import error_body
 
 log = logging.getLogger("batchfit")
 
@@ -59,9 +60,7 @@ def metrics_app(registry: CollectorRegistry) -> ASGIApp:
         if scope["path"] == METRICS_PATH:
             await exposition(scope, receive, send)
             return
-        body = orjson.dumps(
-            {"error": "only /metrics is served here", "error_type": "not_found", "request_id": ""}
-        )
+        body = error_body("not_found", "only /metrics is served here", "", status=404)
         await send(
             {
                 "type": "http.response.start",

@@ -9,10 +9,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .errors import error_body
 from .metrics import ServerMetrics
 
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -156,9 +156,7 @@ def _request_id(header: bytes | None) -> str:
 
 
 async def _send_json(send: Send, status: int, request_id: str, message: str) -> None:
-    body = orjson.dumps(
-        {"error": message, "error_type": "payload_too_large", "request_id": request_id}
-    )
+    body = error_body("payload_too_large", message, request_id, status=status)
     await send(
         {
             "type": "http.response.start",

@@ -1,5 +1,6 @@
-"""The served models as ``--model``/``--task`` (and ``BATCHFIT_MODEL``/``BATCHFIT_TASK``) give
-them: ``[name=]source`` and ``[name=]task``, one per flag or comma-separated in the variable."""
+"""The served models as ``--model``/``--task``/``--default-prompt-name`` (and their
+``BATCHFIT_*`` variables) give them: ``[name=]source``, ``[name=]task`` and
+``[name=]prompt_name``, one per flag or comma-separated in the variable."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from models.loading import TASKS
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAMED = re.compile(rf"({NAME.pattern})=(.+)")
+_NAMED_PROMPT = re.compile(rf"({NAME.pattern})=(.*)")  # name= clears that model's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,8 @@ class ModelEntry:
     name: str | None
     source: str
     task: str = "auto"
+    default_prompt_name: str | None = None
+    """None: the model's own default prompt; "": none."""
 
 
 def split_list(value: object) -> object:
@@ -45,9 +49,12 @@ def split_named(value: str) -> tuple[str | None, str]:
     return match.group(1), match.group(2).strip()
 
 
-def parse_models(models: Sequence[str], tasks: Sequence[str]) -> list[ModelEntry]:
-    """The models in order (the first is the default), each with its task. A bare task applies
-    to every model without a ``name=task`` of its own. Raises ValueError showing the bad value."""
+def parse_models(
+    models: Sequence[str], tasks: Sequence[str], prompts: Sequence[str] = ()
+) -> list[ModelEntry]:
+    """The models in order (the first is the default), each with its task and default prompt.
+    A bare task (prompt name) applies to every model without a ``name=task`` of its own.
+    Raises ValueError showing the bad value."""
     if not models:
         raise ValueError("model: at least one model is needed")
     entries = []
@@ -70,14 +77,27 @@ def parse_models(models: Sequence[str], tasks: Sequence[str]) -> list[ModelEntry
             default_task = task
         else:
             named_tasks[name] = task
+    default_prompt, named_prompts = None, {}
+    for value in prompts:
+        match = _NAMED_PROMPT.fullmatch(value.strip())
+        if match is None:
+            default_prompt = value.strip()
+        else:
+            named_prompts[match.group(1)] = match.group(2).strip()
     known = {entry.name or entry.source for entry in entries}
-    unknown = sorted(set(named_tasks) - known)
-    if unknown:
-        raise ValueError(f"task for {unknown}, which no --model names (served: {sorted(known)})")
+    for flag, named in (("task", named_tasks), ("default_prompt_name", named_prompts)):
+        unknown = sorted(set(named) - known)
+        if unknown:
+            raise ValueError(
+                f"{flag} for {unknown}, which no --model names (served: {sorted(known)})"
+            )
     return [
-        ModelEntry(e.name, e.source, named_tasks.get(e.name or e.source, default_task))
+        ModelEntry(
+            e.name, e.source, named_tasks.get(e.name or e.source, default_task),
+            named_prompts.get(e.name or e.source, default_prompt),
+        )
         for e in entries
-    ]
+    ]  # fmt: skip
 
 
 def model_specs(
@@ -85,6 +105,12 @@ def model_specs(
 ) -> list[tuple[str | None, ModelSpec]]:
     """Each entry's name and what to load: its source and task, the rest from ``template``."""
     return [
-        (entry.name, dataclasses.replace(template, model=entry.source, task=entry.task))
+        (
+            entry.name,
+            dataclasses.replace(
+                template, model=entry.source, task=entry.task,
+                default_prompt_name=entry.default_prompt_name,
+            ),
+        )
         for entry in entries
-    ]
+    ]  # fmt: skip

@@ -1,7 +1,8 @@
 """``POST /v1/rerank``: score documents against a query with a cross-encoder.
 
 The request and response follow the widely used rerank APIs: results sorted by
-``relevance_score`` (the sigmoid of the model's one logit), descending. Each (query, document)
+``relevance_score`` (the model's one logit through the activation its configuration names,
+sigmoid when it names none), descending. Each (query, document)
 pair is one queue item whose cost is the pair's token count after truncation.
 """
 
@@ -53,7 +54,10 @@ class RerankDocument(BaseModel):
 
 class RerankResult(BaseModel):
     index: int = Field(description="The document's position in the request.")
-    relevance_score: float = Field(description="Sigmoid of the cross-encoder's logit, 0 to 1.")
+    relevance_score: float = Field(
+        description="The cross-encoder's logit through its activation (GET /v1/models: "
+        "activation); sigmoid, from 0 to 1, unless its configuration names another."
+    )
     document: RerankDocument | None = Field(None, description="With return_documents only.")
 
 

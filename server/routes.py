@@ -10,7 +10,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.responses import Response
 
 from .errors import ApiError, draining, error_response, not_ready, request_id_of, to_api_error
-from .inference import ClientDisconnected, check_inputs, infer_for_request, slot_for_task
+from .inference import (
+    ClientDisconnected,
+    check_dimensions,
+    check_inputs,
+    check_top_k,
+    infer_for_request,
+    shape_outputs,
+    slot_for_task,
+)
 from .runtime import Runtime
 from .schemas import ErrorBody, InferRequest, InferResponse, ModelList, Status
 
@@ -29,7 +37,8 @@ def _error_responses(descriptions: dict[int, str]) -> dict[int | str, dict[str, 
 
 ERROR_RESPONSES = _error_responses(
     {
-        400: "Unparsable body, empty input, or a model of another task",
+        400: "Unparsable body, empty input, a model of another task, an unknown prompt name, "
+        "dimensions out of range",
         401: "Missing or wrong API key (when the server requires one)",
         404: "No model of that name is served (model_not_found)",
         413: "Body, input count or input length too large",
@@ -103,12 +112,15 @@ async def infer(
     slot = slot_for_task(request, body.model, ("embed", "classify"), "/v1/infer")
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     check_inputs(runtime, inputs)
+    check_dimensions(slot.info, body.dimensions)
+    check_top_k(slot.info, body.top_k)
     asked = [t for t in (body.timeout_s, x_timeout_s) if t is not None]
     timeout_s = min(asked, default=config.default_timeout_s)
     try:
         outputs, num_tokens = await infer_for_request(
             request, inputs, request_id=request_id, truncate=body.truncate,
             timeout_s=timeout_s, priority=body.priority, model=slot.name,
+            prompt_name=body.prompt_name, prompt=body.prompt,
         )  # fmt: skip
     except ClientDisconnected:
         return Response(status_code=499)
@@ -117,7 +129,9 @@ async def infer(
     return _json(
         {
             "model": slot.name,
-            "outputs": outputs,
+            "outputs": shape_outputs(
+                slot.info, outputs, dimensions=body.dimensions, top_k=body.top_k
+            ),
             "usage": {"input_tokens": num_tokens},
             "request_id": request_id,
         }

@@ -46,6 +46,28 @@ class InferRequest(BaseModel):
         description="Which served model runs the inputs, by name as GET /v1/models lists it; "
         "default: the first model the server was started with. Unknown: 404 model_not_found.",
     )
+    prompt_name: str | None = Field(
+        None,
+        description="One of the model's prompts (GET /v1/models lists them), put in front of "
+        "every input; an unknown name gets 400 unknown_prompt. Default: the model's default "
+        "prompt, if it has one.",
+    )
+    prompt: str | None = Field(
+        None,
+        description="A literal prompt put in front of every input, instead of a named one; "
+        '"" for none. Its tokens count in usage.',
+    )
+    dimensions: int | None = Field(
+        None,
+        description="Embedding models: keep the first dimensions values of each embedding "
+        "(Matryoshka), renormalised when the model normalises; from 1 to the model's "
+        "output_dim (else 400 invalid_dimensions).",
+    )
+    top_k: int | None = Field(
+        None,
+        description="Classifiers: each output becomes a list of the top_k best "
+        "{label, score}, best first (at most the number of labels); without it, the best one.",
+    )
 
 
 class Usage(BaseModel):
@@ -59,7 +81,7 @@ class ClassificationOutput(BaseModel):
 
 class InferResponse(BaseModel):
     model: str
-    outputs: list[list[float]] | list[ClassificationOutput]
+    outputs: list[list[float]] | list[ClassificationOutput] | list[list[ClassificationOutput]]
     usage: Usage
     request_id: str
 
@@ -71,6 +93,19 @@ class ModelCard(BaseModel):
     dtype: str
     max_input_tokens: int
     output_dim: int | None
+    architecture: str = Field(description="encoder or decoder.")
+    pooling: str | None = Field(
+        description="Embedding models: cls, mean, max, mean_sqrt_len_tokens, weightedmean or "
+        "lasttoken (several joined by +)."
+    )
+    normalize: bool | None = Field(description="Embedding models: outputs have unit length.")
+    prompts: dict[str, str] = Field(description="The model's named prompts and their text.")
+    default_prompt_name: str | None = Field(
+        description="The prompt inputs get when a request names none."
+    )
+    activation: str | None = Field(
+        description="Classifiers and rerankers: the score function (softmax, sigmoid, identity...)."
+    )
 
 
 class ModelList(BaseModel):

@@ -30,9 +30,17 @@ class Settings(BaseSettings):
     )
     task: Annotated[tuple[str, ...], NoDecode] = Field(
         ("auto",),
-        description="[name=]task: embed (mean-pooled, normalised), classify, rerank (a "
-        "cross-encoder) or auto, which reads the config (a one-label sequence classifier is a "
-        "reranker). A bare task applies to every model without a name=task of its own.",
+        description="[name=]task: embed (pooled as the model's configuration says), classify, "
+        "rerank (a cross-encoder) or auto, which reads the config (a one-label sequence "
+        "classifier is a reranker). A bare task applies to every model without a name=task of "
+        "its own.",
+    )
+    default_prompt_name: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="[name=]prompt_name: the prompt (from the model's "
+        "config_sentence_transformers.json) put in front of inputs whose request names none, "
+        "instead of the model's own default; an empty name means no prompt. A bare value "
+        "applies to every model without a name=value of its own.",
     )
     device: str = Field("auto", description="cuda, cuda:N or cpu; auto picks CUDA if present.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
@@ -114,7 +122,7 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="torch intra-op threads on CPU; default: every CPU the process may use "
-        "(torch's own default), the fastest on 2 vCPUs both idle and under load.",
+        "(torch's own default).",
     )
     max_body_bytes: int = Field(
         2 * 2**20, ge=1024, description="Largest request body accepted; beyond it 413."
@@ -209,14 +217,14 @@ class Settings(BaseSettings):
             keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
         return tuple(keys)
 
-    @field_validator("model", "task", mode="before")
+    @field_validator("model", "task", "default_prompt_name", mode="before")
     @classmethod
     def _split_list(cls, value: object) -> object:
         return split_list(value)
 
     @model_validator(mode="after")
     def _check_models(self) -> Settings:
-        parse_models(self.model, self.task)
+        parse_models(self.model, self.task, self.default_prompt_name)
         return self
 
     @model_validator(mode="after")
@@ -249,7 +257,7 @@ class Settings(BaseSettings):
 
     def model_entries(self) -> list[ModelEntry]:
         """The served models in order, the default first, each with its task."""
-        return parse_models(self.model, self.task)
+        return parse_models(self.model, self.task, self.default_prompt_name)
 
     def model_specs(self) -> list[tuple[str | None, ModelSpec]]:
         """Each model's name (None: its own) and what to load."""
@@ -273,6 +281,7 @@ class Settings(BaseSettings):
             max_input_tokens=self.max_input_tokens,
             quantize=self.quantize,
             num_threads=self.num_threads,
+            default_prompt_name=default.default_prompt_name,
         )
 
     def batcher_config(self) -> BatcherConfig:
@@ -323,6 +332,14 @@ class LauncherSettings(BaseSettings):
     replicas: int = Field(2, ge=1, le=64, description="Number of replicas to start.")
     host: str = Field("127.0.0.1", description="Address Nginx listens on.")
     port: int = Field(8080, ge=1, le=65535, description="Port Nginx listens on.")
+    replica_ports: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="First of the consecutive loopback ports the replicas listen on, for hosts "
+        "with firewall rules: with N replicas, replica i serves HTTP on START+i and /metrics on "
+        "START+N+i (START to START+2N-1 in all). Unset: free ports picked at start.",
+    )
     rate_limit_rps: int = Field(
         100, ge=1, description="Requests per second per client before Nginx answers 429."
     )
@@ -363,3 +380,20 @@ class LauncherSettings(BaseSettings):
         description="A replica that stays up this long is healthy again: its next restart "
         "waits restart_backoff_s again.",
     )
+
+    @model_validator(mode="after")
+    def _check_replica_ports(self) -> LauncherSettings:
+        if self.replica_ports is None:
+            return self
+        last = self.replica_ports + 2 * self.replicas - 1
+        if last > 65535:
+            raise ValueError(
+                f"replica_ports {self.replica_ports} with {self.replicas} replicas needs ports up "
+                f"to {last}, past 65535"
+            )
+        if self.replica_ports <= self.port <= last:
+            raise ValueError(
+                f"port {self.port} (Nginx's) lies inside the replica ports "
+                f"{self.replica_ports}-{last}"
+            )
+        return self

@@ -28,6 +28,48 @@ def require_chromium() -> str:
     return path
 
 
+# Wraps the 2D canvas's fillText so that a page's charts can be checked for overlapping text:
+# each canvas keeps the bounding box (in canvas pixels, after the current transform, so rotated
+# axis labels too) of every text drawn since it was last cleared whole.
+CANVAS_TEXT_SCRIPT = """
+(() => {
+  const proto = CanvasRenderingContext2D.prototype;
+  const fillText = proto.fillText, clearRect = proto.clearRect;
+  const drawn = new WeakMap();
+  window.canvasTextBoxes = (canvas) => drawn.get(canvas) || [];
+  proto.clearRect = function (x, y, w, h) {
+    if (x <= 0 && y <= 0 && w >= this.canvas.width && h >= this.canvas.height)
+      drawn.set(this.canvas, []);
+    return clearRect.apply(this, arguments);
+  };
+  proto.fillText = function (text, x, y) {
+    const m = this.measureText(text), t = this.getTransform();
+    const corners = [];
+    for (const px of [x - m.actualBoundingBoxLeft, x + m.actualBoundingBoxRight])
+      for (const py of [y - m.actualBoundingBoxAscent, y + m.actualBoundingBoxDescent])
+        corners.push([t.a * px + t.c * py + t.e, t.b * px + t.d * py + t.f]);
+    const xs = corners.map((c) => c[0]), ys = corners.map((c) => c[1]);
+    if (!drawn.has(this.canvas)) drawn.set(this.canvas, []);
+    drawn.get(this.canvas).push({ text: String(text), left: Math.min(...xs),
+      right: Math.max(...xs), top: Math.min(...ys), bottom: Math.max(...ys) });
+    return fillText.apply(this, arguments);
+  };
+})();
+"""
+
+
+def overlapping(boxes: list[dict[str, Any]], slack_px: float = 0.5) -> list[tuple[str, str]]:
+    """The pairs of texts whose boxes (from ``CANVAS_TEXT_SCRIPT``) overlap."""
+    found = []
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            width = min(a["right"], b["right"]) - max(a["left"], b["left"])
+            height = min(a["bottom"], b["bottom"]) - max(a["top"], b["top"])
+            if width > slack_px and height > slack_px:
+                found.append((a["text"], b["text"]))
+    return found
+
+
 class Page:
     """One tab: send commands, keep every event (console, exceptions, network) for checks."""
 
@@ -91,6 +133,11 @@ class Page:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"never true: {expression}")
             time.sleep(0.2)
+
+    def record_canvas_text(self) -> None:
+        """From the next navigation on, keep every canvas's text boxes
+        (``window.canvasTextBoxes(canvas)``)."""
+        self.send("Page.addScriptToEvaluateOnNewDocument", source=CANVAS_TEXT_SCRIPT)
 
     def navigate(self, url: str) -> None:
         self.send("Page.navigate", url=url)

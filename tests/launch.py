@@ -80,6 +80,21 @@ def require_nginx() -> str:
     return path
 
 
+def free_port_range(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports free now, below the ephemeral range
+    (where ``free_port`` picks), for ``batchfit up --replica-ports``."""
+    for start in range(20000, 32000, count):
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(start, start + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return start
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 def start_launcher(tmp_path: Path, *flags: str, replicas: int) -> Launch:
     require_nginx()
     port = free_port()

@@ -8,8 +8,8 @@ import pytest
 
 from bench.limit import LimitResult, cheapest_batches, ideal_batches
 from bench.loadgen import Outcome
-from bench.report import load_table, render_markdown, write_report
-from bench.runner import BenchOptions, BenchResult, targets
+from bench.report import BATCH_COLOR, load_table, plot_timeline, render_markdown, write_report
+from bench.runner import BenchOptions, BenchResult, quick_options, targets
 from bench.sampler import Sample, batch_size_series
 from bench.stats import batching_figures, parse_scrape, percentile, summarize
 
@@ -197,3 +197,35 @@ def test_overhead_section_shows_server_cpu_per_request():
     assert "## Server overhead" in text
     assert "| c=1 | 20 | 1.20 | 1.20 | 1.10 | 0 |" in text
     assert "## Server overhead" not in render_markdown(make_result(), command="b", plots=False)
+
+
+def test_a_quick_run_says_it_is_a_smoke_test_and_leaves_the_targets_out(tmp_path):
+    result = make_result()
+    result.options = quick_options()
+    assert any(t.met is False for t in targets(result))  # the same figures would miss one
+    text = render_markdown(result, command="batchfit bench --quick", plots=False)
+    targets_section = text[text.index("## Targets") :]
+    assert "a smoke test" in targets_section and "not comparable with the targets" in text
+    assert "| target | measured |" not in text and "**no**" not in text
+    write_report(result, tmp_path, command="batchfit bench --quick")
+    assert json.loads((tmp_path / "results.json").read_text())["targets"] == []
+    # A full run's report keeps them.
+    assert "| target | measured |" in render_markdown(make_result(), command="b", plots=False)
+
+
+def test_the_timeline_draws_a_batch_size_series_of_one_point(tmp_path):
+    """A load level that yields one batch-size point still shows in the plot: points are drawn
+    as well as lines (a one-point line draws nothing)."""
+    import matplotlib.image
+
+    result = make_result()
+    result.timeline = [Sample(0.0, 300 * 2**20, 0, 0), Sample(0.5, 320 * 2**20, 40, 4)]
+    assert len(batch_size_series(result.timeline)) == 1
+    plot_timeline(result, tmp_path / "timeline.png")
+    image = matplotlib.image.imread(tmp_path / "timeline.png")[..., :3]
+    top = image[: image.shape[0] // 2]
+    r, g, b = (int(BATCH_COLOR[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    close = (
+        (abs(top[..., 0] - r) < 0.1) & (abs(top[..., 1] - g) < 0.1) & (abs(top[..., 2] - b) < 0.1)
+    )
+    assert close.sum() >= 9, close.sum()

@@ -5,11 +5,16 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+from fastapi.routing import iter_route_contexts
 
+from server import create_app
+from server.errors import ERROR_TYPES, NGINX
+from server.public_api import is_public_api, nginx_location_regex, public_api_routes
 from server.settings import Settings
 from server.supervise.nginx import (
     COMPOSE_CONFIG_PATH,
@@ -21,6 +26,7 @@ from server.supervise.nginx import (
     compose_config,
     render,
 )
+from server.supervise.nginx import main as nginx_main
 from tests.ci import unavailable
 from tests.launch import require_nginx
 
@@ -80,10 +86,9 @@ def seconds(value: str) -> float:
 
 def test_checked_in_compose_config_is_the_template_rendered():
     assert COMPOSE_CONFIG_PATH.read_text() == render(compose_config()), (
-        "deploy/nginx/nginx.conf drifted from the template: rewrite it with "
-        "python -c 'from server.supervise.nginx import *; COMPOSE_CONFIG_PATH.write_text(render("
-        "compose_config()))'"
+        "deploy/nginx/nginx.conf drifted from the template: run python -m server.supervise.nginx"
     )
+    assert nginx_main(["--check"]) == 0
 
 
 def test_render_refuses_unknown_placeholders_and_empty_upstreams():
@@ -161,12 +166,40 @@ def test_limits_errors_and_routes(nginx_conf):
             r'\{"error":"[^"]+","error_type":"[a-z_]+","request_id":"\$batchfit_request_id"\}\\n',
             body,
         ), body
-    routed = re.findall(r"location (= |\^~ )?(\S+) \{\s*proxy_pass", nginx_conf)
-    assert [path for _, path in routed] == [
-        "/v1/infer", "/v1/models", "/v1/embeddings", "/v2/models/"
-    ]  # fmt: skip
     assert "/metrics" not in uncommented(nginx_conf)
     assert "/health" not in uncommented(nginx_conf)
+
+
+def test_nginx_answers_only_registered_error_types(nginx_conf):
+    """Nginx's own error bodies name exactly the error types server/errors.py lists as
+    answered by Nginx, with the status each is registered with."""
+    answered = dict(
+        (kind, int(status)) for status, kind in
+        re.findall(r"return (\d+) '\{[^']*\"error_type\":\"([a-z_]+)\"", nginx_conf)
+    )  # fmt: skip
+    registered = {name for name, kind in ERROR_TYPES.items() if NGINX in kind.answered_by}
+    assert set(answered) == registered
+    for name, status in answered.items():
+        assert status in ERROR_TYPES[name].statuses, name
+
+
+def test_nginx_routes_exactly_the_public_api(nginx_conf):
+    """One location sends paths to the replicas, and its pattern matches what
+    server/public_api.py calls the public API: every route under /v1 and /v2 the app serves,
+    none of the operator routes."""
+    routed = re.findall(r"location (~ |= |\^~ )?(\S+) \{\s*proxy_pass", nginx_conf)
+    assert routed == [("~ ", nginx_location_regex())]
+    pattern = re.compile(routed[0][1])
+    app = create_app(Settings())
+    app_paths = [route.path for route in iter_route_contexts(app.routes) if route.path]
+    public = {route.path for route in public_api_routes(app)}
+    assert {"/v1/infer", "/v1/rerank", "/v1/embeddings", "/v2/models/{name:path}/infer"} <= public
+    assert {path for path in app_paths if is_public_api(path)} == public
+    for path in [*app_paths, "/v1", "/v2", "/v1x", "/v2x/models", "/", "/v3/models"]:
+        assert bool(pattern.search(path)) == is_public_api(path), path
+    for operator_path in ("/metrics", "/health/ready", "/status", "/status.json", "/docs",
+                          "/openapi.json", "/admin/profile", "/redoc"):  # fmt: skip
+        assert not pattern.search(operator_path), operator_path
 
 
 def test_no_plus_only_directives():
@@ -221,6 +254,22 @@ def test_services_and_published_ports(compose):
     published = {name: s["ports"] for name, s in services.items() if s.get("ports")}
     assert list(published) == ["nginx"]
     assert published["nginx"] == ["8000:80"]
+
+
+def project_version() -> str:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_replica_image_is_tagged_with_the_project_version_never_latest(compose):
+    images = {name: service["image"] for name, service in compose["services"].items()
+              if name in REPLICAS}  # fmt: skip
+    for name, image in images.items():
+        repository, _, tag = image.partition(":")
+        assert repository == "batchfit", name
+        # ${BATCHFIT_IMAGE_TAG:-default}: the tag a user sets, else the project's version.
+        match = re.fullmatch(r"\$\{BATCHFIT_IMAGE_TAG:-([^}]+)\}", tag)
+        assert match, (name, image)
+        assert match.group(1) == project_version() != "latest", (name, image)
 
 
 def test_every_upstream_nginx_names_is_a_replica_service(compose, nginx_conf):

@@ -1,10 +1,21 @@
-"""The generated parts of the user docs match the code: flags from Settings, metrics from a
-replica's registry."""
+"""The generated parts of the user docs match the code: flags from Settings, error types from
+server/errors.py, metrics from a replica's registry."""
+
+import re
 
 import pytest
 from pydantic import Field
 
-from server.docs import ROOT, flag_table, metric_table, render, replica_registry, stale_files
+from server.docs import (
+    ROOT,
+    error_table,
+    flag_table,
+    metric_table,
+    render,
+    replica_registry,
+    stale_files,
+)
+from server.errors import ERROR_TYPES, ErrorType
 from server.settings import Settings
 
 
@@ -49,3 +60,47 @@ def test_render_replaces_only_its_region():
     )
     with pytest.raises(ValueError, match="no region 'other'"):
         render(text, "other", "x")
+
+
+def test_readme_error_table_lists_every_error_type_with_its_status():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- BEGIN GENERATED error-types")
+    table = readme[start : readme.index("<!-- END GENERATED error-types", start)]
+    for kind in ERROR_TYPES.values():
+        assert f"| `{kind.name}` |" in table, kind.name
+    for name, status in [("not_found", 404), ("method_not_allowed", 405),
+                         ("unsupported_parameter", 400), ("rate_limited", 429)]:  # fmt: skip
+        assert f"| {status} | `{name}` |" in table, name
+
+
+def test_a_new_error_type_makes_the_error_table_stale():
+    kinds = [*ERROR_TYPES.values(), ErrorType("teapot", (418,), "asked for coffee")]
+    table = error_table(kinds)
+    assert table != error_table()
+    assert "| 418 | `teapot` | replica | asked for coffee |" in table
+
+
+# Phrases of notes on how the work was done, which have no place in a user's guide.
+DEVELOPMENT_NOTES = (
+    r"\bissue #?\d+",
+    r"(?<![\w&/])#\d+\b",
+    r"\ba test fails\b",
+    r"\bsoak test\b",
+    r"\bour hosts?\b",
+    r"\buntil you do\b",
+    r"\bfastest on \d+ vCPUs\b",
+)
+
+
+def test_user_docs_carry_no_development_notes():
+    """The README, docs/ (but the developers' own page) and pyproject's comments speak to
+    users."""
+    paths = [ROOT / "README.md", ROOT / "pyproject.toml", *sorted((ROOT / "docs").glob("*.md"))]
+    found = []
+    for path in paths:
+        if path.name == "development.md":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            found += [f"{path.name}:{number}: {line}" for pattern in DEVELOPMENT_NOTES
+                      if re.search(pattern, line, re.IGNORECASE)]  # fmt: skip
+    assert found == []

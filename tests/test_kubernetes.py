@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import httpx
@@ -21,6 +22,7 @@ import yaml
 
 from bench.servers import free_port
 from server import Settings, create_app
+from server.public_api import PUBLIC_API_PREFIXES, is_public_api, public_api_routes
 from server.supervise.nginx import TEMPLATE_PATH, read_timeout_for
 from tests.ci import unavailable
 from tests.servers import run_server
@@ -273,6 +275,39 @@ def test_ingress_has_the_nginx_policy():
     )
 
 
+def prefix_matches(prefix: str, path: str) -> bool:
+    """Kubernetes' ``Prefix`` match: element by element of the path split on ``/``."""
+    wanted = [part for part in prefix.split("/") if part]
+    return [part for part in path.split("/") if part][: len(wanted)] == wanted
+
+
+def ingress_routes(path: str) -> bool:
+    """Whether the Ingress sends ``path`` to the Service."""
+    rules = find(render("gpu"), "Ingress")["spec"]["rules"]
+    entries = [entry for rule in rules for entry in rule["http"]["paths"]]
+    assert {entry["pathType"] for entry in entries} == {"Prefix"}
+    return any(prefix_matches(entry["path"], path) for entry in entries)
+
+
+def test_ingress_routes_the_public_api_only_as_the_local_nginx_does():
+    rules = find(render("gpu"), "Ingress")["spec"]["rules"]
+    entries = [entry for rule in rules for entry in rule["http"]["paths"]]
+    assert [(e["path"], e["pathType"]) for e in entries] == [
+        (prefix, "Prefix") for prefix in PUBLIC_API_PREFIXES
+    ]
+    assert all(e["backend"]["service"] == {"name": "batchfit", "port": {"name": "http"}}
+               for e in entries)  # fmt: skip
+    public = public_api_routes(create_app(Settings()))
+    assert "/v1/rerank" in {route.path for route in public}
+    for route in public:
+        concrete = route.path.replace("{name:path}", "m").replace("{version}", "1")
+        assert ingress_routes(concrete), route.path
+    all_paths = create_app(Settings(admin_token="t")).openapi()["paths"]
+    for path in [*all_paths, "/status", "/status.json", "/docs", "/openapi.json", "/metrics",
+                 "/health/ready", "/health/live", "/admin/profile", "/", "/v1x"]:  # fmt: skip
+        assert ingress_routes(path) == is_public_api(path), path
+
+
 def test_autoscaling_metric_is_served_by_the_adapter_rule():
     hpa = find(render("gpu"), "HorizontalPodAutoscaler")["spec"]
     (metric,) = hpa["metrics"]
@@ -290,6 +325,14 @@ def test_autoscaling_metric_is_served_by_the_adapter_rule():
     assert (scaled["minReplicaCount"], scaled["maxReplicaCount"]) == (
         hpa["minReplicas"], hpa["maxReplicas"],
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_image_is_tagged_with_the_project_version_never_latest(overlay):
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    image = container(render(overlay))["image"]
+    repository, _, tag = image.rpartition(":")
+    assert repository == "batchfit" and tag == version != "latest", image
 
 
 def test_dockerfile_agrees_with_the_manifests():

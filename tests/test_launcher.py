@@ -1,3 +1,5 @@
+import socket
+
 import pytest
 
 from server.cli import build_parser
@@ -8,7 +10,9 @@ from server.supervise.launcher import (
     next_backoff,
     passthrough_argv,
     replica_environment,
+    replica_ports,
 )
+from tests.servers import free_port
 
 
 def up_args(*argv):
@@ -74,6 +78,45 @@ def test_missing_nginx_fails_before_starting_anything(tmp_path, caplog):
     assert main(["up", "--nginx", str(tmp_path / "no-nginx"), "--workdir", str(workdir)]) == 1
     assert "no-nginx' binary found" in caplog.text
     assert not list(workdir.glob("replica-*.log"))  # no replica was started
+
+
+def test_replica_ports_are_consecutive_from_start():
+    settings = LauncherSettings(**up_args_launcher("--replicas", "3", "--replica-ports", "9100"))
+    assert replica_ports(settings) == [(9100, 9103), (9101, 9104), (9102, 9105)]
+    free = replica_ports(LauncherSettings(replicas=2))
+    assert len({port for pair in free for port in pair}) == 4  # picked, all different
+
+
+def up_args_launcher(*argv):
+    return {k: v for k, v in up_args(*argv).items() if k in LauncherSettings.model_fields}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--replicas", "3", "--replica-ports", "65531"), "needs ports up to 65536, past 65535"),
+        (("--replicas", "2", "--port", "9102", "--replica-ports", "9100"),
+         "port 9102 \\(Nginx's\\) lies inside the replica ports 9100-9103"),
+    ],
+)  # fmt: skip
+def test_replica_ports_must_fit_and_miss_nginx(flags, message):
+    with pytest.raises(ValueError, match=message):
+        LauncherSettings(**up_args_launcher(*flags))
+
+
+def test_replica_ports_in_use_fail_before_starting_anything(tmp_path, caplog):
+    from server.cli import main
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        taken = held.getsockname()[1]
+        # One replica: HTTP on START, metrics on START+1, which is taken.
+        argv = ["up", "--nginx", "/bin/true", "--workdir", str(tmp_path / "up"), "--replicas", "1",
+                "--port", str(free_port()), "--replica-ports", str(taken - 1)]  # fmt: skip
+        assert main(argv) == 1
+    assert f"port(s) {taken} on 127.0.0.1 are already in use" in caplog.text
+    assert not list((tmp_path / "up").glob("replica-*.log"))  # no replica was started
 
 
 @pytest.mark.parametrize(

@@ -5,12 +5,13 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import threading
 
 import httpx
 
 from server import Settings, create_app
-from tests.fakes import ScriptedModel
+from tests.fakes import ScriptedModel, ScriptedProbe
 
 TIMEOUT = 10
 
@@ -104,4 +105,29 @@ async def test_the_ready_line_names_every_model_default_first(registry, caplog):
     async with running({"a": ScriptedModel(), "b": classifier()}, registry):
         pass
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in")]
-    assert " serves a (embed), b (classify) on cpu, float32; a: fixed batches (" in line, line
+    expected = " serves a (embed: 1 dims), b (classify) on cpu, float32; a: fixed batches ("
+    assert expected in line, line
+    assert "; b: fixed batches (at most 128 items, 4096 padded tokens); status page" in line, line
+
+
+async def test_the_ready_line_gives_every_models_memory_budget(registry, caplog):
+    caplog.set_level(logging.INFO, logger="batchfit")
+    app = create_app(
+        Settings(sizer="adaptive", memory_headroom=0.25, max_batch_size=16),
+        models={"a": ScriptedModel(), "b": classifier()}, registry=registry,
+        probe=ScriptedProbe(free_bytes=1000 * 2**20),
+    )  # fmt: skip
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        async with asyncio.timeout(TIMEOUT):
+            while (await client.get("/health/ready")).status_code != 200:
+                await asyncio.sleep(0.01)
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in")]
+    budget = (
+        r"memory budget [\d,]+ MiB per batch \([^)]*free 1,000 MiB less 25% headroom[^;]*; "
+        r"at most 16"
+    )
+    assert re.search(rf"; a: {budget}[^;]*; b: {budget}[^;]*; status page", line), line

@@ -90,6 +90,7 @@ PLAN_VALUES = {
     "model": "/some/folder", "task": "embed", "device": "cpu", "dtype": "bfloat16",
     "quantize": "int8", "num_threads": 3, "max_input_tokens": 64, "max_batch_size": 7,
     "max_batch_tokens": 999, "memory_headroom": 0.3, "memory_limit": "1GiB",
+    "default_prompt_name": ("query",),
 }  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from models import ModelInfo
 
 from ..errors import ApiError, not_ready, request_id_of
-from ..inference import check_inputs, infer_for_request, runtime_of
+from ..inference import check_inputs, infer_for_request, runtime_of, shape_outputs
 from ..runtime import ModelSlot
 from .kserve_schemas import (
     HEADER_LENGTH,
@@ -181,6 +181,10 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         not isinstance(timeout_s, int | float) or not math.isfinite(timeout_s) or timeout_s <= 0
     ):
         raise ApiError(400, "invalid_request", "parameter timeout_s must be a positive number")
+    prompt_name, prompt = parameters.get("prompt_name"), parameters.get("prompt")
+    for key, value in (("prompt_name", prompt_name), ("prompt", prompt)):
+        if value is not None and not isinstance(value, str):
+            raise ApiError(400, "invalid_request", f"parameter {key} must be a string")
     known = [tensor["name"] for tensor in _outputs_of(info)]
     for output in infer_request.outputs or []:
         if output.name not in known:
@@ -189,9 +193,9 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
             )
     outputs, _ = await infer_for_request(
         request, texts, request_id=request_id_of(request), truncate=truncate,
-        timeout_s=timeout_s, model=slot.name,
+        timeout_s=timeout_s, model=slot.name, prompt_name=prompt_name, prompt=prompt,
     )  # fmt: skip
-    tensors = _output_tensors(info, outputs)
+    tensors = _output_tensors(info, shape_outputs(info, outputs))
     wanted = _requested_outputs(infer_request, tensors, parameters)
     return _response(slot.name, infer_request.id, wanted)
 

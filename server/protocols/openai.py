@@ -15,8 +15,17 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
+from models import UnknownPrompt
+
 from ..errors import ApiError, request_id_of
-from ..inference import check_inputs, infer_for_request, runtime_of, slot_for_task
+from ..inference import (
+    check_dimensions,
+    check_inputs,
+    infer_for_request,
+    runtime_of,
+    shape_outputs,
+    slot_for_task,
+)
 from .routes import protocol_route, retry_headers
 
 OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error"}
@@ -32,8 +41,22 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="float: lists of numbers; base64: little-endian float32 bytes."
     )
-    dimensions: int | None = Field(None, description="Not supported: any value gets 400.")
+    dimensions: int | None = Field(
+        None,
+        description="Keep the first dimensions values of each embedding (Matryoshka), "
+        "renormalised when the model normalises; from 1 to the model's output size.",
+    )
     user: str | None = Field(None, description="Accepted and ignored.")
+    prompt_name: str | None = Field(
+        None,
+        description="Not in OpenAI's API (send it in the client's extra_body): one of the "
+        "model's prompts, put in front of every input; default: the model's default prompt.",
+    )
+    prompt: str | None = Field(
+        None,
+        description='Not in OpenAI\'s API: a literal prompt put in front of every input ("" for '
+        "none), instead of a named one.",
+    )
 
 
 class Embedding(BaseModel):
@@ -97,7 +120,8 @@ class ParamError(ApiError):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": OpenAIErrorBody, "description": description}
     for code, description in {
-        400: "Bad request: unparsable body, schema error, empty input, dimensions, token ids",
+        400: "Bad request: unparsable body, schema error, empty input, dimensions out of "
+        "range, an unknown prompt name, token ids",
         404: "No model of that name is served (model_not_found)",
         413: "Body, input count or input length too large",
         429: "Queue full; see Retry-After",
@@ -127,22 +151,24 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
         if exc.status != 404 and exc.error_type != "wrong_task":
             raise
         raise ParamError(exc.status, exc.error_type, exc.message, "model") from None
-    info = slot.info
-    if body.dimensions is not None:
-        raise ParamError(
-            400, "unsupported_parameter",
-            f"dimensions is not supported: {slot.name} returns {info.output_dim}-dimensional "
-            "embeddings; leave dimensions unset", "dimensions",
-        )  # fmt: skip
+    try:
+        check_dimensions(slot.info, body.dimensions)
+    except ApiError as exc:
+        raise ParamError(exc.status, exc.error_type, exc.message, "dimensions") from None
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if any(not isinstance(text, str) for text in inputs):
         raise ParamError(
             400, "unsupported_input", "token-id arrays are not supported; send text", "input"
         )
     check_inputs(runtime, inputs, field="input")
-    outputs, num_tokens = await infer_for_request(
-        request, inputs, request_id=request_id_of(request), model=slot.name
-    )
+    try:
+        outputs, num_tokens = await infer_for_request(
+            request, inputs, request_id=request_id_of(request), model=slot.name,
+            prompt_name=body.prompt_name, prompt=body.prompt,
+        )  # fmt: skip
+    except UnknownPrompt as exc:
+        raise ParamError(400, "unknown_prompt", str(exc), "prompt_name") from None
+    outputs = shape_outputs(slot.info, outputs, dimensions=body.dimensions)
     data = []
     for index, output in enumerate(outputs):
         vector = np.asarray(output, dtype="<f4")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from batching import AdaptiveSizer
+from batching import AdaptiveSizer, MemoryReading, Sizer
+from models import ModelInfo
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -22,11 +23,8 @@ def _mib(value: float) -> str:
     return f"{value / MiB:,.0f} MiB"
 
 
-def memory_budget(runtime: Runtime) -> str:
-    """The sizer's limits for the next batch, as an operator reads them."""
-    sizer = runtime.sizer
-    assert sizer is not None
-    reading = runtime.probe.read() if runtime.probe is not None else None
+def memory_budget(sizer: Sizer, reading: MemoryReading | None) -> str:
+    """A sizer's limits for the next batch, as an operator reads them."""
     budget = sizer.budget(reading)
     caps = f"at most {budget.max_items} items, {budget.max_tokens} padded tokens"
     if not isinstance(sizer, AdaptiveSizer):
@@ -44,19 +42,45 @@ def memory_budget(runtime: Runtime) -> str:
     return f"memory budget {_mib(budget.max_bytes)} per batch ({source}; {caps})"
 
 
+def outputs(info: ModelInfo) -> str:
+    """What a model answers: ``embed: mean pooling, normalised, 384 dims; prompts query,
+    passage (default query)``, ``rerank: sigmoid``, ``classify: softmax``."""
+    if info.task == "embed":
+        normalised = None if info.normalize is None else "normalised"
+        if info.normalize is False:
+            normalised = "not normalised"
+        parts = [
+            f"{info.pooling} pooling" if info.pooling else None,
+            normalised,
+            f"{info.output_dim} dims" if info.output_dim else None,
+        ]
+        text = ", ".join(p for p in parts if p)
+    else:
+        text = info.activation or ""
+    if info.prompts:
+        default = info.default_prompt_name or "none"
+        text += f"; prompts {', '.join(info.prompts)} (default {default})"
+    return f"{info.task}: {text}" if text else info.task
+
+
 def ready_line(runtime: Runtime, elapsed_s: float) -> str:
-    """``ready in 4.7s: http://127.0.0.1:8000 serves <model> (embed) on cpu, float32; ...``;
-    with several models, each by name and task, the default first."""
+    """``ready in 4.7s: http://127.0.0.1:8000 serves <model> (embed: mean pooling, normalised,
+    384 dims) on cpu, float32; ...``; with several models, each by name and what it answers,
+    the default first, and each one's budget (every model has its own sizer, read against the
+    same free memory)."""
     slots = list(runtime.slots.values())
     info = slots[0].info  # every model shares the device
-    served = ", ".join(f"{slot.name} ({slot.info.task})" for slot in slots)
+    served = ", ".join(f"{slot.name} ({outputs(slot.info)})" for slot in slots)
     settings = runtime.settings
     url = base_url(settings.host, settings.port)
     where = " (all interfaces)" if settings.host in ("0.0.0.0", "::") else ""
-    budget = memory_budget(runtime)
-    if len(slots) > 1:
-        budget = f"{slots[0].name}: {budget}"
+    reading = runtime.probe.read() if runtime.probe is not None else None
+    budgets = []
+    for slot in slots:
+        assert slot.sizer is not None
+        budget = memory_budget(slot.sizer, reading)
+        budgets.append(f"{slot.name}: {budget}" if len(slots) > 1 else budget)
     return (
         f"ready in {elapsed_s:.1f}s: {url}{where} serves {served} on {info.device}, "
-        f"{info.dtype}; {budget}; status page {url}/status"
+        f"{info.dtype}; {'; '.join(budgets)}; status page {url}/status"
     )

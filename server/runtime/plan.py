@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from batching import AdaptiveSizer, largest_batch
 
 from ..settings import Settings
+from .announce import outputs
 from .runtime import Runtime
 from .slot import ModelSlot
 
@@ -18,8 +19,9 @@ MiB = 2**20
 # rest (ports, auth, queue, deadlines) only matter to a serving replica.
 PLAN_FIELDS = frozenset(
     {
-        "model", "task", "device", "dtype", "quantize", "num_threads", "max_input_tokens",
-        "max_batch_size", "max_batch_tokens", "memory_headroom", "memory_limit",
+        "model", "task", "default_prompt_name", "device", "dtype", "quantize", "num_threads",
+        "max_input_tokens", "max_batch_size", "max_batch_tokens", "memory_headroom",
+        "memory_limit",
     }
 )  # fmt: skip
 
@@ -56,6 +58,8 @@ def describe(runtime: Runtime, slot: ModelSlot | None = None) -> str:
         f"model        {slot.name} ({info.task}) on {info.device}, {info.dtype}",
         f"parameters   {info.num_parameters:,} ({_mib(info.shape.parameter_bytes)})",
         f"max input    {info.max_input_tokens} tokens",
+        f"outputs      {outputs(info)}",
+        *(f"  prompt {name!r}: {text!r}" for name, text in info.prompts.items()),
         "",
         "activation peak model: alpha x n x L + beta x n x L^2 (n items padded to L tokens)",
         f"  prior from config   alpha {sizer.prior.alpha:,.0f} B/token   "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +35,7 @@ from ..errors import ApiError, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
-from .slot import ModelSlot, by_name, make_sizer, make_slots
+from .slot import ModelSlot, by_name, make_sizer, make_slots, prepare_call
 from .trace import RequestTrace
 from .tracking import WorkTracker
 
@@ -332,10 +331,12 @@ class Runtime:
         model: str | None = None,
         query: str | None = None,
         trace: RequestTrace | None = None,
+        prompt: str | None = None,
     ) -> tuple[list[Any], int]:
         """Queue every input as one item of ``model`` (None: the default) and wait for all of
         them; return outputs and tokens. With ``query``, each input is a document paired with
-        it (reranking). ``trace``, if given, is filled in with what the request went through."""
+        it (reranking). ``prompt`` goes in front of each input (of the query, for pairs).
+        ``trace``, if given, is filled in with what the request went through."""
         if self.draining:
             raise draining()
         if not self.ready:
@@ -344,21 +345,20 @@ class Runtime:
         with self.work.request():
             return await self._infer(
                 slot, inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
-                priority=priority, query=query,
+                priority=priority, query=query, prompt=prompt,
                 trace=trace if trace is not None else RequestTrace(),
             )  # fmt: skip
 
     async def _infer(
         self, slot: ModelSlot, inputs: Sequence[str], *, truncate: bool, timeout_s: float,
         request_id: str, priority: int, query: str | None, trace: RequestTrace,
+        prompt: str | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         loop = asyncio.get_running_loop()
         assert slot.model is not None
-        if query is None:
-            prepare = functools.partial(slot.model.prepare, inputs, truncate=truncate)
-        else:
-            prepare = functools.partial(slot.model.prepare_pairs, query, inputs, truncate=truncate)
+        prepare = prepare_call(slot.model, inputs, truncate=truncate, query=query, prompt=prompt)
         chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
+        chars += len(prompt or "") * len(inputs)
         if chars > INLINE_TOKENIZE_CHARS:
             items = await loop.run_in_executor(self.tokenizer_thread, prepare)
         else:

@@ -7,8 +7,11 @@ own time model and metric series.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from batching import (
     AdaptiveSizer,
@@ -74,6 +77,12 @@ class ModelSlot:
             "dtype": info.dtype,
             "max_input_tokens": info.max_input_tokens,
             "output_dim": info.output_dim,
+            "architecture": info.shape.architecture,
+            "pooling": info.pooling,
+            "normalize": info.normalize,
+            "prompts": dict(info.prompts),
+            "default_prompt_name": info.default_prompt_name,
+            "activation": info.activation,
         }
 
     async def warm_up(self, batcher: Batcher) -> None:
@@ -150,3 +159,20 @@ def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
         element_bytes=shape.element_bytes,
     )
     return AdaptiveSizer(prior, settings.adaptive_config())
+
+
+def prepare_call(
+    model: Model, inputs: Sequence[str], *, truncate: bool, query: str | None, prompt: str | None
+) -> Callable[[], list[Any]]:
+    """The tokenization of a request's inputs, to run inline or off the event loop. A model
+    whose ``prepare`` takes no ``prompt`` gets the prompt already in front of each text."""
+    if query is not None:
+        pairs = model.prepare_pairs  # type: ignore[attr-defined]
+        if prompt and "prompt" in inspect.signature(pairs).parameters:
+            return functools.partial(pairs, query, inputs, truncate=truncate, prompt=prompt)
+        query = prompt + query if prompt else query
+        return functools.partial(pairs, query, inputs, truncate=truncate)
+    if prompt and "prompt" in inspect.signature(model.prepare).parameters:
+        return functools.partial(model.prepare, inputs, truncate=truncate, prompt=prompt)
+    texts = [prompt + text for text in inputs] if prompt else inputs
+    return functools.partial(model.prepare, texts, truncate=truncate)

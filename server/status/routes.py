@@ -26,8 +26,10 @@ def model_card(request: Request) -> dict[str, Any] | None:
         return None
     default = runtime.slot()  # the default model's card
     settings = runtime.settings
+    card = default.card()
     return {
-        **default.card(),
+        **card,
+        "prompts": ", ".join(card["prompts"]) or None,  # type: ignore[arg-type]
         "num_parameters": default.info.num_parameters,
         "sizer": settings.sizer,
         "max_batch_size": settings.max_batch_size,

@@ -153,6 +153,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def replica_ports(settings: LauncherSettings) -> list[tuple[int, int]]:
+    """Each replica's (HTTP, metrics) port: consecutive from ``--replica-ports``, else free
+    ones picked now."""
+    count = settings.replicas
+    if settings.replica_ports is None:
+        return [(free_port(), free_port()) for _ in range(count)]
+    start = settings.replica_ports
+    return [(start + index, start + count + index) for index in range(count)]
+
+
+def ports_in_use(ports: list[int], host: str = "127.0.0.1") -> list[int]:
+    """Those of ``ports`` something already listens on (or that cannot be bound)."""
+    taken = []
+    for port in ports:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                taken.append(port)
+    return taken
+
+
 def _die_with_parent() -> None:
     # Linux: the child gets SIGTERM if the launcher dies without stopping it (e.g. SIGKILL).
     with contextlib.suppress(OSError, AttributeError):
@@ -220,10 +242,17 @@ class Launcher:
                 f"no {self.settings.nginx!r} binary found: install Nginx (Debian: apt-get "
                 "install nginx) or pass --nginx PATH"
             )
+        ports = replica_ports(self.settings)
+        if self.settings.replica_ports is not None:
+            taken = ports_in_use([port for pair in ports for port in pair])
+            if taken:
+                raise LaunchFailed(
+                    f"--replica-ports: port(s) {', '.join(map(str, taken))} on 127.0.0.1 are "
+                    "already in use; choose another START"
+                )
         # Replicas load their models in parallel; Nginx starts once all of them are ready.
         env = replica_environment(self.settings.replicas)
-        for index in range(self.settings.replicas):
-            port, metrics_port = free_port(), free_port()
+        for index, (port, metrics_port) in enumerate(ports):
             log_path = prefix / f"replica-{index}.log"
             argv = (sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
                     "--port", str(port), "--metrics-port", str(metrics_port),

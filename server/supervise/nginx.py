@@ -2,20 +2,25 @@
 
 One template serves both deployments: docker-compose (replica-N:8000, logs to the container's
 stdout/stderr, the image's own temp paths) and ``batchfit up`` (loopback replicas, everything
-under a temporary prefix, no root paths).
+under a temporary prefix, no root paths). ``python -m server.supervise.nginx`` rewrites the
+compose rendering, deploy/nginx/nginx.conf, after the template changed (``--check``: exit 1 if
+it is stale).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import pwd
 import re
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..public_api import nginx_location_regex
 from ..settings import LauncherSettings, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +71,7 @@ def render(config: NginxConfig, template: str | None = None) -> str:
         "rate_limit_rps": str(config.rate_limit_rps),
         "rate_limit_burst": str(config.rate_limit_burst),
         "upstream_keepalive_s": str(UPSTREAM_KEEP_ALIVE_S),
+        "api_location_regex": nginx_location_regex(),
         **_path_directives(config.prefix),
     }
     unknown = set(_PLACEHOLDER.findall(template)) - values.keys()
@@ -136,3 +142,26 @@ def check_config(binary: str, prefix: Path, conf: Path) -> None:
     )  # fmt: skip
     if result.returncode != 0:
         raise RuntimeError(f"nginx -t refused {conf}:\n{result.stderr}{result.stdout}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m server.supervise.nginx",
+        description=f"Write {COMPOSE_CONFIG_PATH.relative_to(ROOT)}, the template rendered for "
+        "docker-compose.",
+    )
+    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
+    args = parser.parse_args(argv)
+    text = render(compose_config())
+    stale = not COMPOSE_CONFIG_PATH.exists() or COMPOSE_CONFIG_PATH.read_text() != text
+    if args.check:
+        print(f"{COMPOSE_CONFIG_PATH}: {'stale' if stale else 'up to date'}")
+        return 1 if stale else 0
+    if stale:
+        COMPOSE_CONFIG_PATH.write_text(text)
+        print(f"{COMPOSE_CONFIG_PATH}: rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

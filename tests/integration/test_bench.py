@@ -41,10 +41,8 @@ def test_quick_bench_writes_the_report(tmp_path):
     # Batching off means one item per forward pass, read from the server's own metrics.
     assert rows[("off", "c=8")]["mean_batch_size"] == 1.0
     assert rows[("adaptive", "c=8")]["mean_batch_size"] > 1.0
-    assert {t["name"] for t in figures["targets"]} >= {
-        "saturation throughput vs in-process limit (all cores)",
-        "one-client p50 vs batch-1 latency + 1.5 ms",
-    }  # fmt: skip
+    # A smoke test: its figures are not set against the targets.
+    assert figures["options"]["quick"] is True and figures["targets"] == []
     # The limit runs on torch's default thread count: every CPU the bench may use.
     threads = figures["limit"]["num_threads"]
     assert threads == len(os.sched_getaffinity(0))
@@ -60,4 +58,6 @@ def test_quick_bench_writes_the_report(tmp_path):
     assert "| adaptive | c=8 |" in report
     for png in ("throughput_vs_p99.png", "timeline.png"):
         assert (out / png).read_bytes().startswith(b"\x89PNG")
-    assert "saturation throughput vs in-process limit" in done.stdout
+    assert "a smoke test" in report and "| target | measured |" not in report
+    assert "not comparable with the targets" in done.stdout
+    assert "saturation throughput vs in-process limit" not in done.stdout

@@ -8,10 +8,15 @@ import re
 import httpx
 import pytest
 
+from models.loading import BUNDLED_MODEL
+from models.testing import save_tiny_model
+from server import Settings, create_app
+from server.public_api import public_api_routes
 from tests.launch import (
     CutOffUpstream,
     SilentUpstream,
     StatusUpstream,
+    free_port_range,
     run_launcher,
     run_nginx,
 )
@@ -26,13 +31,65 @@ LOAD_CLIENTS = 6
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    # The bundled embedder (the default) and a tiny cross-encoder, so that every API answers.
+    reranker = save_tiny_model(root / "rr", task="rerank", seed=3)
     with run_launcher(
-        tmp_path_factory.mktemp("cluster"),
+        root,
+        "--model", BUNDLED_MODEL, "--model", f"rr={reranker}",
+        "--replica-ports", str(free_port_range(2 * 3)),
         "--max-batch-size", "8", "--max-queue-items", "64", "--max-inputs-per-request", "100",
         "--rate-limit-rps", "1000", "--rate-limit-burst", "1000",
         replicas=3,
     ) as launch:  # fmt: skip
         yield launch
+
+
+V2_BODY = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]}
+# A request that succeeds on each public route that needs a body. A route missing here is
+# still sent (with an empty JSON object) and must reach a replica.
+EXAMPLE_BODIES = {
+    ("POST", "/v1/infer"): {"inputs": ["The cat sits on the mat.", "A second sentence"]},
+    # The README's rerank example.
+    ("POST", "/v1/rerank"): {"query": "what do cats eat", "top_n": 1, "return_documents": True,
+                             "documents": ["Cats eat fish.", "The market fell."]},
+    ("POST", "/v1/embeddings"): {"input": "hi", "model": BUNDLED_MODEL},
+    ("POST", "/v2/models/{name:path}/infer"): V2_BODY,
+    ("POST", "/v2/models/{name:path}/versions/{version}/infer"): V2_BODY,
+}  # fmt: skip
+
+
+def concrete(path: str) -> str:
+    return path.replace("{name:path}", BUNDLED_MODEL).replace("{version}", "1")
+
+
+def test_every_public_api_route_reaches_a_replica_through_nginx(cluster):
+    """Every route the app serves under /v1 and /v2 (read from the app itself, so a new one is
+    covered too) answers through Nginx as the replica answers it directly, and Nginx's access
+    log shows a replica answered."""
+    routes = [(method, route.path) for route in public_api_routes(create_app(Settings()))
+              for method in route.methods]  # fmt: skip
+    assert ("POST", "/v1/rerank") in routes and ("GET", "/v2/health/ready") in routes
+    assert set(EXAMPLE_BODIES) <= set(routes), set(EXAMPLE_BODIES) - set(routes)
+    direct_url = next(iter(cluster.replicas.values()))[0]
+    answers = {}
+    with httpx.Client(timeout=30) as client:
+        for index, (method, path) in enumerate(routes):
+            body = EXAMPLE_BODIES.get((method, path), {} if method == "POST" else None)
+            headers = {"x-request-id": f"route-{index}"}
+            through = client.request(method, cluster.url + concrete(path), json=body,
+                                     headers=headers)  # fmt: skip
+            direct = client.request(method, direct_url + concrete(path), json=body)
+            answers[method, path] = (through, direct)
+    entries = access_log(cluster.access_log_path, "route", expect=len(routes))
+    for index, ((method, path), (through, direct)) in enumerate(answers.items()):
+        assert entries[f"route-{index}"]["upstream_addr"] != "", (method, path)
+        assert through.status_code == direct.status_code, (method, path, through.text)
+        if method == "GET" or (method, path) in EXAMPLE_BODIES:
+            assert through.status_code == 200, (method, path, through.text)
+    rerank = answers["POST", "/v1/rerank"][0].json()
+    assert rerank["model"] == "rr"
+    assert rerank["results"][0]["document"]["text"] in ("Cats eat fish.", "The market fell.")
 
 
 def infer_count(metrics_url: str) -> float:
@@ -43,6 +100,13 @@ def infer_count(metrics_url: str) -> float:
 
 def test_launcher_prints_the_url_and_every_replica(cluster):
     assert len(cluster.replicas) == 3
+    # --replica-ports START: HTTP on START, START+1, START+2; metrics on START+3 to START+5.
+    ports = [int(url.rsplit(":", 1)[1]) for url, _ in cluster.replicas.values()]
+    metrics = [int(url.rsplit(":", 1)[1].split("/")[0]) for url in cluster.metrics_urls.values()]
+    start = ports[0]
+    assert ports == [start, start + 1, start + 2] and metrics == [start + 3, start + 4, start + 5]
+    for url, _ in cluster.replicas.values():
+        assert httpx.get(f"{url}/health/ready", timeout=10).status_code == 200
     assert f"batchfit up: {cluster.url} (3 replicas behind nginx" in cluster.output()
     response = httpx.get(f"{cluster.url}/v1/models", timeout=10)
     assert response.status_code == 200

@@ -17,6 +17,7 @@ def test_plan_prints_the_memory_plan_for_the_bundled_model():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "parameters   22,713,216 (86.6 MiB)" in out
+    assert "outputs      embed: mean pooling, normalised, 384 dims" in out
     assert re.search(r"after calibration\s+alpha [\d,]+ B/token", out)
     assert "memory limit 700 MiB (flag --memory-limit)" in out
     budget = re.search(r"budget\s+([\d,.]+) MiB per batch", out)

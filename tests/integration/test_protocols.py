@@ -84,7 +84,10 @@ def test_openai_client_single_string(client, native):
 @pytest.mark.parametrize(
     ("kwargs", "error", "status", "code", "param"),
     [
-        ({"dimensions": 128}, openai.BadRequestError, 400, "unsupported_parameter", "dimensions"),
+        ({"dimensions": 385}, openai.BadRequestError, 400, "invalid_dimensions", "dimensions"),
+        ({"dimensions": 0}, openai.BadRequestError, 400, "invalid_dimensions", "dimensions"),
+        ({"extra_body": {"prompt_name": "query"}}, openai.BadRequestError, 400, "unknown_prompt",
+         "prompt_name"),
         ({"model": "text-embedding-3-small"}, openai.NotFoundError, 404, "model_not_found",
          "model"),
         ({"input": []}, openai.BadRequestError, 400, "empty_input", None),

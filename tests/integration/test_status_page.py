@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.browser import open_page, require_chromium
+from tests.browser import open_page, overlapping, require_chromium
 from tests.servers import run_server
 
 pytestmark = pytest.mark.integration
@@ -79,7 +79,8 @@ def test_start_up_says_what_it_is_doing_then_one_ready_line(server):
     assert "Uvicorn running" not in log
     line = ready.group(1)
     assert line.startswith(
-        f"http://127.0.0.1:{server.port} serves all-MiniLM-L6-v2 (embed) on cpu, float32; "
+        f"http://127.0.0.1:{server.port} serves all-MiniLM-L6-v2 (embed: mean pooling, "
+        "normalised, 384 dims) on cpu, float32; "
         "memory budget "
     ), line
     assert re.search(r"memory budget [\d,]+ MiB per batch \(.*at most \d+ items", line), line
@@ -113,6 +114,7 @@ def test_status_page_draws_live_data_that_matches_status_json(server, tmp_path):
     with Traffic(server.url) as traffic, open_page(tmp_path) as page:
         # The page asks for the key (HTTP Basic); a person types it at the browser's prompt.
         page.answer_auth_prompts("me", KEY)
+        page.record_canvas_text()
         page.navigate(f"{server.url}/status")
         page.wait_for(
             "window.batchfitStatus && window.batchfitStatus.samples.filter("
@@ -130,6 +132,11 @@ def test_status_page_draws_live_data_that_matches_status_json(server, tmp_path):
             })()"""
         )
         pixels = {name: _chart_pixels(page, name) for name in ("requests", "memory")}
+        texts = page.evaluate(
+            "Object.fromEntries(Object.entries(window.batchfitStatus.charts).map(([k, c]) => [k, "
+            "{boxes: window.canvasTextBoxes(c.ctx.canvas), plotRight: c.bbox.left + c.bbox.width,"
+            " plotLeft: c.bbox.left}]))"
+        )
         drawn = page.evaluate(
             "Object.fromEntries(Object.entries(window.batchfitStatus.charts).map("
             "([k, c]) => [k, c.data[0].length]))"
@@ -144,6 +151,16 @@ def test_status_page_draws_live_data_that_matches_status_json(server, tmp_path):
     assert dom["model"] == "all-MiniLM-L6-v2" and dom["state"] == "ready"
     assert all(length >= 3 for length in drawn.values()), drawn
     assert all(count > 30 for count in pixels.values()), pixels
+    # No axis label overlaps a tick number (nor any text another), on every chart; the memory
+    # chart's right axis, whose free-memory numbers are the widest, in particular.
+    for name, chart in texts.items():
+        assert overlapping(chart["boxes"]) == [], (name, chart["boxes"])
+    memory = texts["memory"]
+    (label,) = [box for box in memory["boxes"] if box["text"] == "free MiB"]
+    right_ticks = [box for box in memory["boxes"]
+                   if box is not label and box["left"] >= memory["plotRight"]]  # fmt: skip
+    assert len(right_ticks) >= 2, memory["boxes"]
+    assert all(tick["right"] < label["left"] for tick in right_ticks), (label, right_ticks)
     # The numbers shown are those of the sample the page names, still in the ring buffer.
     [sample] = [s for s in status["samples"] if s["t"] == float(dom["t"])]
     for tile in dom["values"]:

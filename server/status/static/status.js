@@ -21,6 +21,19 @@
     return state.samples.map((s) => (s[field] === null ? null : s[field] * (scale || 1)));
   }
 
+  // A y axis as wide as its widest tick number (uPlot's default is a fixed 50 px), so the
+  // axis label beside the numbers never overlaps them: free memory reads "21,560.5".
+  function axisSize(self, values, axisIdx, cycleNum) {
+    const axis = self.axes[axisIdx];
+    if (cycleNum > 1) return axis._size;
+    let widest = 0;
+    if (values && values.length) {
+      self.ctx.font = axis.font[0];
+      for (const value of values) widest = Math.max(widest, self.ctx.measureText(String(value)).width);
+    }
+    return Math.ceil(axis.ticks.size + axis.gap + widest / devicePixelRatio);
+  }
+
   function makeChart(id, title, series, axes) {
     const el = document.getElementById(id);
     const opts = {
@@ -32,7 +45,7 @@
         label: s.label, stroke: s.color, width: 2, scale: s.scale, spanGaps: false,
         points: { show: false },
       }))),
-      axes: [{}].concat(axes),
+      axes: [{}].concat(axes.map((axis) => Object.assign({ size: axisSize }, axis))),
       legend: { live: false },
     };
     const chart = new uPlot(opts, [[]].concat(series.map(() => [])), el);
