@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import logging
 import queue
 import threading
@@ -18,7 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from batching import limit_address_space
-from models import BUNDLED_MODEL, Item, Model, ModelSpec, load_model
+from models import (
+    BUNDLED_MODEL,
+    Item,
+    Model,
+    ModelInfo,
+    ModelSpec,
+    load_model,
+    resolve_prompt,
+    top_labels,
+    truncate_dimensions,
+)
 from models.custom import is_entry_point
 from models.loading import resolve_model_path
 
@@ -129,7 +140,8 @@ def run_job(
     info = model.info
     check_task(model, spec.task)
     dimensions = output_dimensions(model, spec)
-    identity = job_identity(spec, model, dimensions)
+    prompt = resolve_prompt(info, spec.prompt_name, None)
+    identity = job_identity(spec, model, dimensions, prompt)
     inputs = [dataclasses.asdict(f) for f in files]
     manifest = Manifest.open(Path(spec.out), identity, inputs, overwrite=spec.overwrite)
     stop, go = threading.Event(), threading.Event()
@@ -144,14 +156,17 @@ def run_job(
         )  # fmt: skip
         reader = PartReader(
             read_input_rows(files, fields), part_rows=spec.part_rows, manifest=manifest,
-            prepare=lambda rows: prepare(model, rows), strict=spec.strict, reserve=reserve,
+            prepare=lambda rows: prepare(model, rows, prompt), strict=spec.strict,
+            reserve=reserve,
             stop=stop,
         )  # fmt: skip
         reader_thread = Worker("batchfit-read", lambda: go.wait() and reader.run())
         schema = output_schema(spec.task, "int64", dimensions)  # the id type is set per part
         writer = PartWriter(
             manifest,
-            lambda out: output_table(_with_id(schema, out), out.ids, out.outputs),
+            lambda out: output_table(
+                _with_id(schema, out), out.ids, finish_outputs(info, out.outputs, dimensions)
+            ),
             reserve,
         )
         writer_thread = Worker("batchfit-write", writer.run)
@@ -292,9 +307,10 @@ def _with_id(schema: Any, output: PartOutput) -> Any:
     return schema
 
 
-def prepare(model: Model, rows: Sequence[Row]) -> list[Item]:
-    """Tokenize rows as the server does (truncating at the model's limit); pairs grouped by
-    consecutive rows that share a query."""
+def prepare(model: Model, rows: Sequence[Row], prompt: str | None = None) -> list[Item]:
+    """Tokenize rows as the server does (truncating at the model's limit, ``prompt`` before
+    each text, or before each query for pairs); pairs grouped by consecutive rows that share
+    a query."""
     if rows and rows[0].query is not None:
         items: list[Item] = []
         start = 0
@@ -303,10 +319,32 @@ def prepare(model: Model, rows: Sequence[Row]) -> list[Item]:
             while end < len(rows) and rows[end].query == rows[start].query:
                 end += 1
             documents = [row.text for row in rows[start:end]]
-            items += model.prepare_pairs(rows[start].query, documents, truncate=True)  # type: ignore[attr-defined]
+            items += _prepare_pairs(model, rows[start].query or "", documents, prompt)
             start = end
         return items
-    return model.prepare([row.text for row in rows], truncate=True)
+    texts = [row.text for row in rows]
+    if prompt and "prompt" in inspect.signature(model.prepare).parameters:
+        return model.prepare(texts, truncate=True, prompt=prompt)  # type: ignore[call-arg]
+    return model.prepare([prompt + t for t in texts] if prompt else texts, truncate=True)
+
+
+def _prepare_pairs(
+    model: Model, query: str, documents: list[str], prompt: str | None
+) -> list[Item]:
+    pairs = model.prepare_pairs  # type: ignore[attr-defined]
+    if prompt and "prompt" in inspect.signature(pairs).parameters:
+        return pairs(query, documents, truncate=True, prompt=prompt)
+    return pairs(prompt + query if prompt else query, documents, truncate=True)
+
+
+def finish_outputs(info: ModelInfo, outputs: list[Any], dimensions: int | None) -> list[Any]:
+    """As the server answers: a classifier's best label, embeddings cut to ``dimensions``
+    (renormalised where the model normalises)."""
+    if info.task == "classify":
+        return [top_labels(output, None) for output in outputs]
+    if dimensions is not None and dimensions != info.output_dim:
+        return [truncate_dimensions(o, dimensions, bool(info.normalize)) for o in outputs]
+    return outputs
 
 
 def check_task(model: Model, task: str) -> None:
@@ -330,13 +368,16 @@ def output_dimensions(model: Model, spec: JobSpec) -> int | None:
     if spec.dimensions is None:
         return full
     if not 1 <= spec.dimensions <= full:
-        raise JobError(f"--dimensions must be from 1 to {full}, got {spec.dimensions}")
-    if spec.dimensions != full:
-        raise JobError("--dimensions needs a model that describes its Matryoshka dimensions")
-    return full
+        raise JobError(
+            f"--dimensions must be from 1 to {full} (the size of {model.info.name!r}'s "
+            f"embeddings), got {spec.dimensions}"
+        )
+    return spec.dimensions
 
 
-def job_identity(spec: JobSpec, model: Model, dimensions: int | None) -> dict[str, Any]:
+def job_identity(
+    spec: JobSpec, model: Model, dimensions: int | None, prompt: str | None
+) -> dict[str, Any]:
     """Everything that changes what the parts hold; a rerun must match it to resume."""
     info = model.info
     return {
@@ -347,7 +388,7 @@ def job_identity(spec: JobSpec, model: Model, dimensions: int | None) -> dict[st
         "device": info.device.partition(":")[0],
         "quantize": info.quantize,
         "max_input_tokens": info.max_input_tokens,
-        "prompt_name": spec.prompt_name,
+        "prompt": prompt,
         "dimensions": dimensions,
         "fields": dataclasses.asdict(spec.fields()),
         "part_rows": spec.part_rows,

@@ -23,9 +23,9 @@ from typing import Any
 
 import orjson
 
-from models import BUNDLED_MODEL, Model, ModelSpec, load_model
+from models import BUNDLED_MODEL, Model, ModelSpec, load_model, resolve_prompt
 
-from .job import check_task, model_fingerprint, prepare
+from .job import check_task, finish_outputs, model_fingerprint, prepare
 from .manifest import Manifest, rows_digest
 from .readers import Fields, Reject, Row, row_problem
 from .runner import OutOfMemoryInput, Runner, build_runner
@@ -69,6 +69,8 @@ def run(
     device: str = "auto",
     dtype: str = "auto",
     max_input_tokens: int | None = None,
+    prompt_name: str | None = None,
+    dimensions: int | None = None,
     max_batch_size: int = 128,
     max_batch_tokens: int = 4096,
     memory_headroom: float = 0.15,
@@ -89,13 +91,15 @@ def run(
     config = {
         "task": task, "model": model, "device": device, "dtype": dtype,
         "max_input_tokens": max_input_tokens, "text_column": text_column,
+        "prompt_name": prompt_name, "dimensions": dimensions,
         "id_column": id_column, "query_column": query_column if task == "rerank" else None,
         "max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens,
         "memory_headroom": memory_headroom, "out": out,
         "num_threads": math.ceil(num_cpus) if num_cpus and not num_gpus else None,
         "id_type": _id_type(dataset.schema(), id_column),
         "identity": job_identity(task, model, dtype, device, max_input_tokens, text_column,
-                                 id_column, query_column),
+                                 id_column, query_column) | {"prompt_name": prompt_name,
+                                                              "dimensions": dimensions},
     }  # fmt: skip
     manifest = None
     if out is not None:
@@ -152,8 +156,14 @@ class BulkActor:
         )  # fmt: skip
         self.runner.warm_up()
         self.fields = Fields(config["text_column"], config["id_column"], config["query_column"])
-        dimensions = self.model.info.output_dim if config["task"] == "embed" else None
-        self.schema = output_schema(config["task"], config["id_type"], dimensions)
+        info = self.model.info
+        self.prompt = resolve_prompt(info, config["prompt_name"], None)
+        self.dimensions = None
+        if config["task"] == "embed":
+            self.dimensions = config["dimensions"] or info.output_dim
+            if not 1 <= self.dimensions <= (info.output_dim or 0):
+                raise ValueError(f"dimensions must be from 1 to {info.output_dim}")
+        self.schema = output_schema(config["task"], config["id_type"], self.dimensions)
         self.out = Path(config["out"]) if config["out"] else None
 
     def __call__(self, batch: Any) -> Any:
@@ -171,7 +181,7 @@ class BulkActor:
             if (self.out / f"{PART_PREFIX}{key}.json").exists():
                 log.info("batch of %d rows skipped: finished earlier (%s)", len(rows), done.name)
                 return pq.read_table(done)
-        outputs = self.runner.run(prepare(self.model, rows)) if rows else []
+        outputs = self.runner.run(prepare(self.model, rows, self.prompt)) if rows else []
         ids, kept = [], []
         for row, output in zip(rows, outputs, strict=True):
             if isinstance(output, OutOfMemoryInput):
@@ -179,7 +189,9 @@ class BulkActor:
             else:
                 ids.append(row.id)
                 kept.append(output)
-        table = output_table(self.schema, ids, kept)
+        table = output_table(
+            self.schema, ids, finish_outputs(self.model.info, kept, self.dimensions)
+        )
         if rejects:
             log.warning("%d rows of a batch of %d left out: %s", len(rejects),
                         len(rows) + len(rejects), rejects[0].reason)  # fmt: skip
