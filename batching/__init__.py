@@ -15,6 +15,7 @@ from .errors import (
     QueueFull,
     ShuttingDown,
 )
+from .measure import measured_forward
 from .metrics import (
     BatchingMetrics,
     MemoryMetrics,
@@ -56,6 +57,7 @@ from .sizer import (
     prior_peak_model,
 )
 from .timing import BatchTimeModel, fit_time_model
+from .warmup import WarmUp
 
 __all__ = [
     "LIMIT_SOURCES",
@@ -95,12 +97,14 @@ __all__ = [
     "ShuttingDown",
     "Sizer",
     "TorchCudaProbe",
+    "WarmUp",
     "cheapest_partition",
     "cheapest_window",
     "fit_envelope",
     "fit_time_model",
     "largest_batch",
     "limit_address_space",
+    "measured_forward",
     "plan_batch",
     "powers_of_two",
     "prior_peak_model",

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from .clock import Clock
 from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
+from .measure import Forward, measured_forward
 from .metrics import BatchingMetrics, MemoryMetrics, ModelBatchingMetrics, ModelMemoryMetrics
 from .planner import BatchBudget, BatchPlan, plan_batch, split
 from .probes import MemoryProbe, MemoryReading
@@ -27,7 +28,6 @@ from .timing import BatchTimeModel
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Forward = Callable[[Sequence[Any]], list[Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,28 +266,10 @@ class Batcher:
     def _measured_forward(
         self, forward: Forward, items: Sequence[Any], settle: bool = False
     ) -> tuple[list[Any], int | None]:
-        """Runs on the model thread: the forward pass and its peak memory above baseline.
-
-        With ``settle`` (calibration), the probe first settles memory (``settle()``, where it
-        has one). NOTE: a host batch that reuses free blocks the allocator still holds adds
-        less to the resident peak than it needs; calibrated on such a reading, the sizer
-        under-predicted a 5 x 256 batch by 28% and overshot --memory-limit."""
-        probe = self._probe
-        settle_memory = getattr(probe, "settle", None) if settle else None
-        if settle_memory is not None:
-            settle_memory()
-        baseline = probe.start_batch() if probe is not None else None
-        try:
-            outputs = forward(items)
-        except self._oom_errors:
-            release = getattr(probe, "release_cache", None)
-            if release is not None:
-                release()
-            raise
-        peak = probe.batch_peak() if probe is not None else None
-        if baseline is None or peak is None:
-            return outputs, None
-        return outputs, max(0, peak - baseline)
+        """Runs on the model thread: the forward pass and its peak memory above baseline."""
+        return measured_forward(
+            forward, items, probe=self._probe, oom_errors=self._oom_errors, settle=settle
+        )
 
     async def _fill(self, lane: _LaneState, max_items: int, max_tokens: int) -> None:
         """Wait up to ``max_wait_s`` from the lane's oldest item's arrival for a full batch."""

@@ -19,9 +19,8 @@ from batching import (
     FixedSizer,
     Lane,
     MemoryProbe,
-    MemoryReading,
     Sizer,
-    largest_batch,
+    WarmUp,
     prior_peak_model,
     tune_host_allocator,
 )
@@ -102,57 +101,20 @@ class ModelSlot:
 
     async def _calibrate(self, batcher: Batcher) -> None:
         assert self.model is not None and self.sizer is not None
-        max_len = self.model.info.max_input_tokens
-        lengths = sorted({min(max_len, 32), max_len})
-        if not isinstance(self.sizer, AdaptiveSizer):
-            budget = self.sizer.budget()
-            lengths = [min(max_len, max(2, budget.max_tokens // budget.max_items))]
-        for length in lengths:
-            cap = self.settings.max_batch_size
-            scouted = False
-            while True:
-                reading = self.probe.read() if self.probe else None
-                budget = self.sizer.budget(reading)
-                fits = largest_batch(budget, length)
-                num_items = max(1, min(cap, fits))
-                # NOTE: past a cgroup's limit (or the host's memory) the kernel kills the
-                # process: no error comes back to lower the ceiling on. Where memory, not a
-                # cap, sets this batch's size, a quarter of it runs first, so the full one is
-                # planned by a model corrected at this length, not by the prior alone.
-                scout = not scouted and fits < cap and num_items >= 4 and _kills(reading)
-                if scout:
-                    num_items //= 4
-                items = self.model.synthetic_items(num_items, length)
-                try:
-                    outcome = await batcher.run_calibration(items, self.name)
-                except ModelOutOfMemory:
-                    self.sizer.on_oom(num_items, length)
-                    if num_items == 1:
-                        log.warning("one input of %d tokens does not fit in memory", length)
-                        break
-                    log.info("warm-up batch of %d x %d ran out of memory", num_items, length)
-                    cap = num_items // 2  # a fixed sizer has no ceiling to lower
-                    continue
-                if isinstance(self.sizer, AdaptiveSizer):
-                    self.sizer.calibrate(outcome)
-                log.info(
-                    "warm-up batch of %d x %d tokens: %.3fs, peak %s",
-                    num_items, length, outcome.elapsed_s,
-                    f"{outcome.peak_bytes / 2**20:.1f} MiB" if outcome.peak_bytes else "n/a",
-                )  # fmt: skip
-                if scout:
-                    scouted = True
-                    continue
-                break
-        if isinstance(self.sizer, AdaptiveSizer):
-            self.sizer.finish_warm_up()
-            model = self.sizer.model
-            ceiling = self.sizer.ceiling_bytes
-            log.info(
-                "memory model: %.0f bytes/token + %.1f bytes/token x length; ceiling %s",
-                model.alpha, model.beta,
-                "none" if ceiling == float("inf") else f"{ceiling / 2**20:.0f} MiB",
-            )  # fmt: skip
+        warm_up = WarmUp(
+            self.sizer,
+            max_input_tokens=self.model.info.max_input_tokens,
+            max_items=self.settings.max_batch_size,
+        )
+        while (batch := warm_up.next_batch(self.probe.read() if self.probe else None)) is not None:
+            items = self.model.synthetic_items(*batch)
+            try:
+                outcome = await batcher.run_calibration(items, self.name)
+            except ModelOutOfMemory:
+                warm_up.out_of_memory()
+                continue
+            warm_up.ran(outcome)
+        warm_up.finish()
 
 
 def make_slots(
@@ -197,17 +159,6 @@ def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
         element_bytes=shape.element_bytes,
     )
     return AdaptiveSizer(prior, settings.adaptive_config())
-
-
-def _kills(reading: MemoryReading | None) -> bool:
-    """Whether going past the binding limit gives no allocation error to lower the ceiling
-    on: the kernel kills (cgroup, host memory), or nothing enforces it at its value
-    (``--memory-limit`` is a promise: its address-space cap leaves room for thread stacks, so
-    resident memory can pass it silently). The address space and a device fail an
-    allocation instead."""
-    return reading is not None and reading.limit is not None and reading.limit.source in (
-        "cgroup", "host", "flag",
-    )  # fmt: skip
 
 
 def prepare_call(
