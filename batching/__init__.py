@@ -5,14 +5,17 @@ Never imports a concrete model: the batcher drives anything with a ``forward`` c
 
 from .batcher import Batcher, BatcherConfig, Lane, ModelThread
 from .clock import Clock, MonotonicClock
+from .composite import CompositeProbe, probes_for_device
 from .errors import (
     BatchingError,
     DeadlineExceeded,
     InferenceFailed,
+    NeverAdmitted,
     OutOfMemory,
     QueueFull,
     ShuttingDown,
 )
+from .measure import measured_forward
 from .metrics import (
     BatchingMetrics,
     MemoryMetrics,
@@ -32,7 +35,6 @@ from .planner import (
 )
 from .probes import (
     LIMIT_SOURCES,
-    CompositeProbe,
     HostProbe,
     MemoryLimit,
     MemoryProbe,
@@ -42,7 +44,6 @@ from .probes import (
     TorchCudaProbe,
     limit_address_space,
     limit_kills,
-    probes_for_device,
     refusal_room,
     release_host_memory,
     tune_host_allocator,
@@ -56,12 +57,14 @@ from .sizer import (
     PeakModel,
     Sizer,
     fit_envelope,
+    prior_for,
     prior_peak_model,
 )
 from .timing import BatchTimeModel, fit_time_model
 from .warmup import (
     WARMUP_BATCHES,
     CalibrationStep,
+    WarmUp,
     WarmUpPlanner,
     WarmUpReport,
     calibration_lengths,
@@ -97,6 +100,7 @@ __all__ = [
     "ModelMemoryMetrics",
     "ModelThread",
     "MonotonicClock",
+    "NeverAdmitted",
     "NvmlProbe",
     "OutOfMemory",
     "PeakModel",
@@ -107,6 +111,7 @@ __all__ = [
     "ShuttingDown",
     "Sizer",
     "TorchCudaProbe",
+    "WarmUp",
     "WarmUpPlanner",
     "WarmUpReport",
     "calibration_lengths",
@@ -117,8 +122,10 @@ __all__ = [
     "largest_batch",
     "limit_address_space",
     "limit_kills",
+    "measured_forward",
     "plan_batch",
     "powers_of_two",
+    "prior_for",
     "prior_peak_model",
     "probes_for_device",
     "refusal_room",

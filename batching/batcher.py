@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 
 from .clock import Clock
 from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
+from .measure import Forward, measured_forward
 from .metrics import BatchingMetrics, MemoryMetrics, ModelBatchingMetrics, ModelMemoryMetrics
 from .planner import BatchBudget, BatchPlan, plan_batch, refused_alone, split
 from .probes import MemoryProbe, MemoryReading
@@ -26,7 +28,6 @@ from .timing import BatchTimeModel
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Forward = Callable[[Sequence[Any]], list[Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +102,7 @@ class Batcher:
     ``model_thread``.
 
     Only OOM errors (``oom_errors``) take the bisection path; the model layer turns torch's
-    errors into those. ``fatal_errors`` mark the batcher unhealthy.
+    errors into those. ``fatal_errors`` fail their batch and end ``run``.
     """
 
     def __init__(
@@ -146,15 +147,17 @@ class Batcher:
 
     async def run(self) -> None:
         """Step forever. When stopped, whatever is queued or running fails with
-        ``ShuttingDown``; when the loop itself crashes, with ``InferenceFailed`` (then re-raised:
-        the owner decides what a dead batcher means)."""
+        ``ShuttingDown``; when the loop itself crashes, or a forward pass raises one of
+        ``fatal_errors`` (a device that cannot be trusted again), with ``InferenceFailed``
+        (then re-raised: the owner decides what a dead batcher means)."""
         error: Exception = ShuttingDown("the server stopped before this input ran")
         try:
             while True:
                 await self.step()
-        except Exception:
+        except Exception as exc:
             self.healthy = False
-            error = InferenceFailed("the batcher failed; this replica is stopping")
+            what = "the device" if isinstance(exc, self._fatal_errors) else "the batcher"
+            error = InferenceFailed(f"{what} failed; this replica is stopping")
             raise
         finally:
             for pending in self._in_flight:
@@ -173,6 +176,7 @@ class Batcher:
         lane.metrics.budget_tokens.set(budget.max_tokens)
         if lane.memory_metrics is not None and budget.max_bytes is not None:
             lane.memory_metrics.budget_bytes.set(budget.max_bytes)
+        self._record_ceiling(lane)
         await self._fill(lane, budget.max_items, budget.max_tokens)
 
         now = self.clock.now()
@@ -257,6 +261,16 @@ class Batcher:
             lane.time_model.observe(len(items), padded_len, elapsed)
         return BatchOutcome(len(items), padded_len, elapsed, peak)
 
+    def record_ceilings(self) -> None:
+        """Show every model's ceiling now (after warm-up, before any batch has run)."""
+        for lane in self.lanes.values():
+            self._record_ceiling(lane)
+
+    def _record_ceiling(self, lane: _LaneState) -> None:
+        ceiling = getattr(lane.sizer, "ceiling_bytes", None)
+        if lane.memory_metrics is not None and ceiling is not None and math.isfinite(ceiling):
+            lane.memory_metrics.ceiling_bytes.set(ceiling)
+
     def fail_waiting(self, error: Exception) -> None:
         waiting = self.queue.waiting()
         self.queue.remove(waiting)
@@ -286,33 +300,16 @@ class Batcher:
                 if value is not None:
                     gauge.set(value)
             metrics.set_limit(reading.limit)
+            metrics.set_probe_states(reading)
         return reading
 
     def _measured_forward(
         self, forward: Forward, items: Sequence[Any], settle: bool = False
     ) -> tuple[list[Any], int | None]:
-        """Runs on the model thread: the forward pass and its peak memory above baseline.
-
-        With ``settle`` (calibration), the probe first settles memory (``settle()``, where it
-        has one). NOTE: a host batch that reuses free blocks the allocator still holds adds
-        less to the resident peak than it needs; calibrated on such a reading, the sizer
-        under-predicted a 5 x 256 batch by 28% and overshot --memory-limit."""
-        probe = self._probe
-        settle_memory = getattr(probe, "settle", None) if settle else None
-        if settle_memory is not None:
-            settle_memory()
-        baseline = probe.start_batch() if probe is not None else None
-        try:
-            outputs = forward(items)
-        except self._oom_errors:
-            release = getattr(probe, "release_cache", None)
-            if release is not None:
-                release()
-            raise
-        peak = probe.batch_peak() if probe is not None else None
-        if baseline is None or peak is None:
-            return outputs, None
-        return outputs, max(0, peak - baseline)
+        """Runs on the model thread: the forward pass and its peak memory above baseline."""
+        return measured_forward(
+            forward, items, probe=self._probe, oom_errors=self._oom_errors, settle=settle
+        )
 
     async def _fill(self, lane: _LaneState, max_items: int, max_tokens: int) -> None:
         """Wait up to ``max_wait_s`` from the lane's oldest item's arrival for a full batch."""
@@ -381,17 +378,25 @@ class Batcher:
                 return
             self._count_oom(lane, "split")
             first, second = split(live)
-            log.info("batch of %d x %d tokens ran out of memory; splitting", len(live), padded_len)
+            log.info(
+                "batch of %d x %d tokens ran out of memory (%s); splitting",
+                len(live), padded_len, exc,
+            )  # fmt: skip
             await self._run(lane, first)
             await self._run(lane, second)
             return
         except Exception as exc:
             lane.metrics.batch_failures.inc()
             if isinstance(exc, self._fatal_errors):
+                # NOTE: a device error leaves the device (and any batch after this one) in a
+                # state nobody can vouch for: fail this batch, then end the loop, which fails
+                # everything queued and lets the owner stop the process for a restart.
                 self.healthy = False
-                log.error("device error; marking the replica not ready: %s", exc)
-            else:
-                log.exception("batch of %d items failed", len(live))
+                log.error("device error in a batch of %d items: %s", len(live), exc)
+                for pending in live:
+                    _fail(pending, InferenceFailed("the device failed; this replica is stopping"))
+                raise
+            log.exception("batch of %d items failed", len(live))
             for pending in live:
                 _fail(pending, InferenceFailed("inference failed"))
             return

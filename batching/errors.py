@@ -22,6 +22,20 @@ class QueueFull(BatchingError):
         self.retry_after_s = retry_after_s
 
 
+class NeverAdmitted(BatchingError):
+    """A request with more items than the queue could ever hold for it: unlike ``QueueFull``,
+    retrying cannot help."""
+
+    def __init__(self, num_items: int, capacity: int, *, model: str | None = None) -> None:
+        if model is None:
+            why = f"the queue holds at most {capacity} items"
+        else:
+            why = f"model {model!r} may hold at most {capacity} of the queue's items"
+        super().__init__(f"{num_items} inputs can never be admitted: {why}; send fewer per request")
+        self.num_items = num_items
+        self.capacity = capacity
+
+
 class DeadlineExceeded(BatchingError):
     def __init__(self, waited_s: float) -> None:
         super().__init__(f"deadline passed after {waited_s:.3f}s in the queue, before compute")

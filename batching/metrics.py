@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from .probes import MemoryLimit
+    from .probes import MemoryLimit, MemoryReading
 
 LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -169,6 +169,7 @@ class ModelMemoryMetrics:
     """One model's children of ``MemoryMetrics``."""
 
     budget_bytes: Gauge
+    ceiling_bytes: Gauge
     headroom_bytes: Gauge
     predicted_peak: Gauge
     measured_peak: Gauge
@@ -186,6 +187,14 @@ class MemoryMetrics:
         self.budget_bytes = Gauge(
             "batchfit_batch_budget_bytes",
             "Predicted-peak budget of the next batch (free memory less headroom).",
+            labelnames=MODEL,
+            registry=registry,
+        )
+        self.ceiling_bytes = Gauge(
+            "batchfit_batch_ceiling_bytes",
+            "Cap on a batch's predicted peak: what warm-up proved (the largest warm-up batch), "
+            "lowered after an OOM and climbing back after clean batches; 0: none (the fixed "
+            "sizer, or a model not warmed up).",
             labelnames=MODEL,
             registry=registry,
         )
@@ -294,6 +303,14 @@ class MemoryMetrics:
             ["source"],
             registry=registry,
         )
+        self.probe_error = Gauge(
+            "batchfit_probe_error",
+            "1 while a memory probe cannot be read (it is retried with backoff; its last "
+            "reading and the ceiling proven at warm-up bound the budget meanwhile), else 0; "
+            "as of the last dispatch.",
+            ["probe"],
+            registry=registry,
+        )
         self._limit_source: str | None = None
 
     def set_limit(self, limit: MemoryLimit | None) -> None:
@@ -305,10 +322,18 @@ class MemoryMetrics:
         self._limit_source = limit.source
         self.limit.labels(limit.source).set(limit.limit_bytes)
 
+    def set_probe_states(self, reading: MemoryReading) -> None:
+        """Each probe of ``reading``: 0 if it read, 1 if it is in error."""
+        for name in reading.sources:
+            self.probe_error.labels(name).set(0)
+        for name in reading.failing:
+            self.probe_error.labels(name).set(1)
+
     def for_model(self, model: str) -> ModelMemoryMetrics:
         """This model's series (created now, so they read 0 before its first batch)."""
         return ModelMemoryMetrics(
             budget_bytes=self.budget_bytes.labels(model),
+            ceiling_bytes=self.ceiling_bytes.labels(model),
             headroom_bytes=self.headroom_bytes.labels(model),
             predicted_peak=self.predicted_peak.labels(model),
             measured_peak=self.measured_peak.labels(model),

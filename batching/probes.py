@@ -2,7 +2,7 @@
 
 Three real sources behind one interface: NVML (the device, other processes included),
 torch.cuda (the caching allocator and exact per-batch peaks) and the host (/proc, cgroup and
-the address-space limit). ``CompositeProbe`` combines them and drops a failing one.
+the address-space limit). ``CompositeProbe`` (``composite.py``) combines them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import ctypes
 import logging
 import resource
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -53,6 +53,9 @@ class MemoryReading:
     resident_peak_bytes: int | None = None  # since start: VmHWM kept across per-batch resets
     limit: MemoryLimit | None = None  # the limit behind free_bytes
     sources: tuple[str, ...] = field(default=())
+    """The probes read now."""
+    failing: tuple[str, ...] = field(default=())
+    """Probes in error: their last good reading (if any) stands in for them."""
     enforced: MemoryLimit | None = None
     """The enforced limit memory reaches first: the smallest room under a cgroup, the host's
     memory, the address-space limit or the device. ``--memory-limit`` is not one: nothing
@@ -299,97 +302,6 @@ class NvmlProbe:
 
     def batch_peak(self) -> int | None:
         return None
-
-
-class CompositeProbe:
-    """Reads every probe; free is the smallest any of them reports. A probe that fails is
-    logged once and dropped; with none left, readings are empty and the sizer falls back to
-    its fixed budget. Peaks come from the first probe that measures them."""
-
-    name = "composite"
-
-    def __init__(self, probes: list[MemoryProbe]) -> None:
-        self.probes = list(probes)
-
-    def read(self) -> MemoryReading:
-        merged = MemoryReading()
-        for probe in list(self.probes):
-            try:
-                reading = probe.read()
-            except ProbeError as exc:
-                log.warning("memory probe %s failed and is dropped: %s", probe.name, exc)
-                self.probes.remove(probe)
-                continue
-            merged = _merge(merged, reading)
-        return merged
-
-    def start_batch(self) -> int | None:
-        for probe in self.probes:
-            baseline = probe.start_batch()
-            if baseline is not None:
-                return baseline
-        return None
-
-    def batch_peak(self) -> int | None:
-        for probe in self.probes:
-            peak = probe.batch_peak()
-            if peak is not None:
-                return peak
-        return None
-
-    def release_cache(self) -> None:
-        for probe in self.probes:
-            release = getattr(probe, "release_cache", None)
-            if release is not None:
-                release()
-
-    def settle(self) -> None:
-        for probe in self.probes:
-            settle = getattr(probe, "settle", None)
-            if settle is not None:
-                settle()
-
-
-def _merge(a: MemoryReading, b: MemoryReading) -> MemoryReading:
-    free, limit = (b.free_bytes, b.limit) if a.free_bytes is None else (a.free_bytes, a.limit)
-    if a.free_bytes is not None and b.free_bytes is not None and b.free_bytes < a.free_bytes:
-        free, limit = b.free_bytes, b.limit
-    values = {
-        name: getattr(a, name) if getattr(a, name) is not None else getattr(b, name)
-        for name in ("used_bytes", "device_used_bytes", "device_total_bytes",
-                     "allocated_bytes", "reserved_bytes", "resident_bytes",
-                     "resident_peak_bytes")
-    }  # fmt: skip
-    enforced, enforced_free = a.enforced, a.enforced_free_bytes
-    if b.enforced_free_bytes is not None and (
-        enforced_free is None or b.enforced_free_bytes < enforced_free
-    ):
-        enforced, enforced_free = b.enforced, b.enforced_free_bytes
-    shared = a.shared_device
-    if b.shared_device is not None:
-        shared = bool(a.shared_device) or b.shared_device
-    return replace(
-        a, free_bytes=free, limit=limit, sources=a.sources + b.sources, enforced=enforced,
-        enforced_free_bytes=enforced_free, shared_device=shared, **values,
-    )  # fmt: skip
-
-
-def probes_for_device(device: str, *, memory_limit_bytes: int | None = None) -> CompositeProbe:
-    """NVML and torch.cuda on a CUDA device, the host probe on CPU."""
-    probes: list[MemoryProbe] = []
-    if device.startswith("cuda"):
-        index = int(device.partition(":")[2] or 0)
-        for make in (
-            lambda: TorchCudaProbe(device, memory_limit_bytes=memory_limit_bytes),
-            lambda: NvmlProbe(index),
-        ):
-            try:
-                probes.append(make())
-            except (ProbeError, ImportError) as exc:
-                log.warning("memory probe unavailable: %s", exc)
-    else:
-        probes.append(HostProbe(memory_limit_bytes=memory_limit_bytes))
-    return CompositeProbe(probes)
 
 
 THREAD_RESERVE_BYTES = 256 * 2**20

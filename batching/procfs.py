@@ -71,13 +71,13 @@ def _read_text(path: str) -> str:
     return Path(path).read_text()
 
 
-# --- the process's own memory cgroup ---
+# --- the process's own cgroups ---
 #
 # The kernel enforces the limit of every cgroup on the path from the process's own cgroup up
-# to the root, each against that level's usage, and kills the process when one is exceeded.
-# Which hierarchy holds the memory controller, and where its files are, comes from
-# /proc/self/cgroup (controller -> path) and /proc/self/mountinfo (where each hierarchy, or a
-# subtree of it, is mounted).
+# to the root, each against that level's usage: past a memory limit it kills the process,
+# past a CPU quota it throttles it. Which hierarchy holds a controller, and where its files
+# are, comes from /proc/self/cgroup (controller -> path) and /proc/self/mountinfo (where each
+# hierarchy, or a subtree of it, is mounted).
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +89,9 @@ class CgroupMount:
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryCgroup:
-    """Where this process's memory cgroup and each ancestor visible under the mount live."""
+class Cgroup:
+    """Where this process's cgroup of one controller and each ancestor visible under the
+    mount live."""
 
     version: int
     levels: tuple[tuple[str, str], ...]  # (cgroup path, directory): own first, then up
@@ -98,6 +99,9 @@ class MemoryCgroup:
     @property
     def path(self) -> str:
         return self.levels[0][0]
+
+
+MemoryCgroup = Cgroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,19 +166,20 @@ def cgroup_levels(path: str, mount: CgroupMount) -> tuple[tuple[str, str], ...] 
     return tuple(levels)
 
 
-def find_memory_cgroup(
-    proc_cgroup: str, mountinfo: str, read: Callable[[str], str] = _read_text
-) -> MemoryCgroup | None:
-    """This process's memory cgroup: the v1 ``memory`` hierarchy where it has one (v1 and
-    hybrid hosts), else the unified one if its memory controller is on; None: neither."""
+def find_cgroup(
+    controller: str, proc_cgroup: str, mountinfo: str, read: Callable[[str], str] = _read_text
+) -> Cgroup | None:
+    """This process's cgroup for ``controller`` (``memory``, ``cpu``): the v1 hierarchy that
+    mounts it where there is one (v1 and hybrid hosts), else the unified one if the
+    controller is on there; None: neither."""
     paths = parse_proc_cgroup(proc_cgroup)
     mounts = parse_mountinfo(mountinfo)
-    if "memory" in paths:
+    if controller in paths:
         for mount in mounts:
-            if mount.version == 1 and "memory" in mount.options:
-                levels = cgroup_levels(paths["memory"], mount)
+            if mount.version == 1 and controller in mount.options:
+                levels = cgroup_levels(paths[controller], mount)
                 if levels is not None:
-                    return MemoryCgroup(1, levels)
+                    return Cgroup(1, levels)
     if "" in paths:
         for mount in mounts:
             if mount.version != 2:
@@ -186,19 +191,30 @@ def find_memory_cgroup(
                 controllers = read(levels[0][1] + "/cgroup.controllers").split()
             except OSError:
                 continue
-            if "memory" in controllers:
-                return MemoryCgroup(2, levels)
+            if controller in controllers:
+                return Cgroup(2, levels)
     return None
 
 
-def own_memory_cgroup(proc: Path = Path("/proc")) -> MemoryCgroup | None:
-    """``find_memory_cgroup`` for this process; None where /proc cannot say."""
+def find_memory_cgroup(
+    proc_cgroup: str, mountinfo: str, read: Callable[[str], str] = _read_text
+) -> Cgroup | None:
+    """This process's memory cgroup (``find_cgroup`` of ``memory``)."""
+    return find_cgroup("memory", proc_cgroup, mountinfo, read)
+
+
+def _own_cgroup(controller: str, proc: Path) -> Cgroup | None:
     try:
         proc_cgroup = (proc / "self" / "cgroup").read_text()
         mountinfo = (proc / "self" / "mountinfo").read_text()
     except OSError:
         return None
-    return find_memory_cgroup(proc_cgroup, mountinfo)
+    return find_cgroup(controller, proc_cgroup, mountinfo)
+
+
+def own_memory_cgroup(proc: Path = Path("/proc")) -> Cgroup | None:
+    """``find_memory_cgroup`` for this process; None where /proc cannot say."""
+    return _own_cgroup("memory", proc)
 
 
 def parse_limit(text: bytes) -> int | None:
@@ -292,3 +308,55 @@ class CgroupMemory:
             usage, stats = (lambda f=current: read(f)), (lambda f=stat: read(f))
             levels.append(v2_level(read(memory_max), read(memory_high), usage, stats, path))
         return tightest(levels)
+
+
+# --- the CPU quota ---
+
+
+@dataclass(frozen=True, slots=True)
+class CpuQuota:
+    """The CFS bandwidth limit that binds: ``cpus`` CPUs' worth of time per period."""
+
+    cpus: float
+    path: str
+
+
+def parse_cpu_max(text: str) -> float | None:
+    """v2 ``cpu.max`` (``"max 100000"`` or ``"150000 100000"``) as CPUs; None: no quota."""
+    parts = text.split()
+    if not parts or parts[0] == "max":
+        return None
+    period = int(parts[1]) if len(parts) > 1 else 100000
+    return int(parts[0]) / period if period > 0 else None
+
+
+def parse_cfs_quota(quota: str, period: str) -> float | None:
+    """v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` as CPUs; None: no quota (-1)."""
+    quota_us, period_us = int(quota), int(period)
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def cpu_quota(cgroup: Cgroup, read: Callable[[str], str] = _read_text) -> CpuQuota | None:
+    """The smallest quota over the cgroup and its ancestors under the mount: each level's
+    quota caps everything below it, and v1 has no file that folds them together. Levels
+    without the files (the v2 root) or with unreadable ones count as no quota."""
+    found: list[CpuQuota] = []
+    for path, directory in cgroup.levels:
+        try:
+            if cgroup.version == 1:
+                cpus = parse_cfs_quota(
+                    read(f"{directory}/cpu.cfs_quota_us"), read(f"{directory}/cpu.cfs_period_us")
+                )
+            else:
+                cpus = parse_cpu_max(read(f"{directory}/cpu.max"))
+        except (OSError, ValueError):
+            continue
+        if cpus is not None:
+            found.append(CpuQuota(cpus, path))
+    return min(found, key=lambda quota: quota.cpus) if found else None
+
+
+def own_cpu_quota(proc: Path = Path("/proc")) -> CpuQuota | None:
+    """``cpu_quota`` of this process's cpu cgroup; None: no quota, or no cpu controller."""
+    cgroup = _own_cgroup("cpu", proc)
+    return cpu_quota(cgroup) if cgroup is not None else None

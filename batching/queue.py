@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import QueueFull
+from .errors import NeverAdmitted, QueueFull
 
 
 @dataclass(eq=False, slots=True)
@@ -88,13 +88,18 @@ class RequestQueue:
         return len(self._items)
 
     def put_many(self, pendings: Sequence[Pending]) -> None:
-        """Admit all of ``pendings`` or none of them."""
+        """Admit all of ``pendings`` or none of them: ``QueueFull`` while the queue (or the
+        model's share of it) has no room for them now, ``NeverAdmitted`` when it never can."""
+        share = self.max_items_per_model
+        model = pendings[0].model if pendings else ""
+        if len(pendings) > self.max_items:
+            raise NeverAdmitted(len(pendings), self.max_items)
+        if share is not None and len(pendings) > share:
+            raise NeverAdmitted(len(pendings), share, model=model)
         self.purge()
         if len(self._items) + len(pendings) > self.max_items:
             raise QueueFull(len(self._items), self.max_items, self.retry_after_s)
-        share = self.max_items_per_model
         if share is not None and pendings:
-            model = pendings[0].model
             held = sum(1 for p in self._items if p.model == model)
             if held + len(pendings) > share:
                 raise QueueFull(held, share, self.retry_after_s, model=model)

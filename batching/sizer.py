@@ -126,6 +126,35 @@ def prior_peak_model(
     )
 
 
+class PriorShape(Protocol):
+    """What the prior reads of a model's architecture (``models.ModelShape`` has it)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    element_bytes: int
+    num_kv_heads: int | None
+    head_dim: int | None
+    attention: str
+    sliding_window: int | None
+    gated_mlp: bool
+
+
+def prior_for(shape: PriorShape) -> PeakModel:
+    """``prior_peak_model`` of a model's shape: the server's and a bulk job's alike."""
+    return prior_peak_model(
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_heads=shape.num_heads,
+        element_bytes=shape.element_bytes,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        attention=shape.attention,
+        sliding_window=shape.sliding_window,
+        gated_mlp=shape.gated_mlp,
+    )
+
+
 def _fit_line(
     prior: tuple[float, float], samples: list[tuple[int, int, float]]
 ) -> tuple[float, float]:

@@ -2,6 +2,7 @@
 
 from .limit import LimitResult, ideal_batches, measure_limit
 from .loadgen import Outcome, RunResult, closed_loop, open_loop
+from .plain import PlainEncoder, load_plain_encoder
 from .report import render_markdown, write_report
 from .runner import SERVER_CONFIGS, BenchOptions, BenchResult, run_bench, targets
 from .stats import LoadSummary, batching_figures, parse_scrape, percentile, summarize
@@ -14,12 +15,14 @@ __all__ = [
     "LimitResult",
     "LoadSummary",
     "Outcome",
+    "PlainEncoder",
     "RunResult",
     "WorkloadSpec",
     "arrival_times",
     "batching_figures",
     "closed_loop",
     "ideal_batches",
+    "load_plain_encoder",
     "make_requests",
     "measure_limit",
     "open_loop",

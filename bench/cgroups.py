@@ -1,4 +1,5 @@
-"""A child memory cgroup under this process's own: a real kernel limit to run a replica in."""
+"""A child memory (or cpu) cgroup under this process's own: a real kernel limit to run a
+replica in."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batching.procfs import own_memory_cgroup, stat_field
+from batching.procfs import find_cgroup, stat_field
 
 
 @dataclass
@@ -31,6 +32,15 @@ class ChildCgroup:
 
     def set_limit(self, limit_bytes: int) -> None:
         self._name("memory.limit_in_bytes", "memory.max").write_text(str(limit_bytes))
+
+    def set_cpu_quota(self, cpus: float, period_us: int = 100_000) -> None:
+        """A CFS bandwidth limit of ``cpus`` CPUs' worth of time per period (cpu controller)."""
+        quota_us = str(round(cpus * period_us))
+        if self.version == 1:
+            (self.directory / "cpu.cfs_period_us").write_text(str(period_us))
+            (self.directory / "cpu.cfs_quota_us").write_text(quota_us)
+        else:
+            (self.directory / "cpu.max").write_text(f"{quota_us} {period_us}")
 
     def usage(self) -> int:
         return int(self._name("memory.usage_in_bytes", "memory.current").read_text())
@@ -87,16 +97,35 @@ class ChildCgroup:
                 time.sleep(0.1)
 
 
-def make_child_cgroup(name: str) -> ChildCgroup:
-    """A new child of this process's memory cgroup; OSError where none can be made."""
-    own = own_memory_cgroup()
-    if own is None:
-        raise OSError("no memory cgroup found in /proc/self/cgroup and /proc/self/mountinfo")
-    leaf = f"batchfit-{os.getpid()}-{name}"
-    directory = Path(own.levels[0][1]) / leaf
+CONTROL_FILES = {"memory": ("memory.limit_in_bytes", "memory.max"),
+                 "cpu": ("cpu.cfs_quota_us", "cpu.max")}  # fmt: skip
+
+
+def make_child_cgroup(
+    name: str, controller: str = "memory", parent: ChildCgroup | None = None
+) -> ChildCgroup:
+    """A new child of this process's ``controller`` cgroup (or of ``parent``, one made
+    here); OSError where none can be made."""
+    if parent is None:
+        try:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError as exc:
+            raise OSError(f"cannot read this process's cgroups: {exc}") from exc
+        own = find_cgroup(controller, proc_cgroup, mountinfo)
+        if own is None:
+            raise OSError(
+                f"no {controller} cgroup found in /proc/self/cgroup and /proc/self/mountinfo"
+            )
+        base, version, path = Path(own.levels[0][1]), own.version, own.path
+        leaf = f"batchfit-{os.getpid()}-{name}"
+    else:
+        base, version, path, leaf = parent.directory, parent.version, parent.path, name
+    directory = base / leaf
     directory.mkdir()
-    cgroup = ChildCgroup(directory, own.version, own.path.rstrip("/") + "/" + leaf)
-    if not cgroup._name("memory.limit_in_bytes", "memory.max").exists():
+    cgroup = ChildCgroup(directory, version, path.rstrip("/") + "/" + leaf)
+    v1_file, v2_file = CONTROL_FILES[controller]
+    if not cgroup._name(v1_file, v2_file).exists():
         cgroup.remove()
-        raise OSError(f"the memory controller is not enabled for {directory}")
+        raise OSError(f"the {controller} controller is not enabled for {directory}")
     return cgroup

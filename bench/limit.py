@@ -1,10 +1,13 @@
 """The in-process limit: the same model, ideal batches, no HTTP and no queue.
 
-Two plans of ideal batches over every input of a load level, known in advance, and the
-faster one is the limit: the largest batches the budget allows (sorted by length), and the
-cheapest split by a time model fitted to the first plan's batches (``cheapest_partition``,
-the planner's own rule with the whole workload in view). On a CPU the second wins: big
-batches are no cheaper per token, so padding is what counts.
+Each batch runs as any user's script would run it, with plain transformers calls (``plain.py``:
+the tokenizer, the model, mean pooling), never the server's own forward pass, so a slower
+product forward shows in the ratios instead of in both of their terms. Two plans of ideal
+batches over every input of a load level, known in advance, and the faster one is the limit:
+the largest batches the budget allows (sorted by length), and the cheapest split by a time
+model fitted to the first plan's batches (``cheapest_partition``, the planner's own rule with
+the whole workload in view). On a CPU the second wins: big batches are no cheaper per token,
+so padding is what counts.
 """
 
 from __future__ import annotations
@@ -13,15 +16,13 @@ import functools
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
 
 from batching import BatchBudget, cheapest_partition, fit_time_model
 from batching.planner import TimePredictor
 from batching.timing import predict_seconds
 
-if TYPE_CHECKING:
-    from models import Model
+from .plain import PlainEncoder
 
 LARGEST, CHEAPEST = "largest batches", "cheapest split"
 
@@ -35,7 +36,8 @@ class LimitResult:
     mean_batch_size: float
     padding_ratio: float
     tokenize_s: float
-    """Time to tokenize every input once, reported apart from ``compute_s``."""
+    """Time to count every input's tokens once, for the plans (``compute_s`` tokenizes each
+    batch again, as a script does)."""
     cpu_ms_per_input: float = float("nan")
     """Process CPU time per input of the timed passes."""
     plan: str = LARGEST
@@ -79,68 +81,61 @@ def cheapest_batches(
     return batches
 
 
-def load_bench_model(model: str | None = None) -> Model:
-    """The model as a plain script would run it: the server's model defaults, and torch's
-    default thread count (every CPU this process may use), whatever the server's own default."""
-    from models import ModelSpec, available_cpus, load_model
-
-    spec = ModelSpec(num_threads=available_cpus())
-    return load_model(spec if model is None else replace(spec, model=model))
-
-
 def measure_limit(
-    loaded: Model,
+    encoder: PlainEncoder,
     texts: Sequence[str],
     *,
     max_items: int,
     max_tokens: int,
     repeats: int = 1,
 ) -> LimitResult:
-    """Tokenize ``texts``, warm up, then time ``repeats`` passes over each plan's batches."""
+    """Count every input's tokens, warm up, then time ``repeats`` passes over each plan's
+    batches (each batch tokenized, run and pooled as a script does)."""
     import torch
 
+    texts = list(texts)
     started = time.perf_counter()
-    items = loaded.prepare(list(texts), truncate=True)
+    costs = encoder.token_counts(texts)
     tokenize_s = time.perf_counter() - started
-    costs = [item.cost for item in items]
     largest = ideal_batches(costs, max_items, max_tokens)
-    loaded.forward(loaded.synthetic_items(min(max_items, 8), 32))
-    loaded.forward([items[i] for i in largest[-1]])  # the allocator has seen the peak
+    encoder.encode(texts[: min(max_items, 8)])
+    encoder.encode([texts[i] for i in largest[-1]])  # the allocator has seen the peak
     samples: list[tuple[int, int, float]] = []
-    results = [_time_plan(loaded, items, largest, repeats, samples)]
+    results = [_time_plan(encoder, texts, costs, largest, repeats, samples)]
     for length in (min(costs), max(costs)):
         # Lone inputs too, so the fit can tell the per-pass cost from the per-token one.
-        lone = [items[costs.index(length)]]
+        lone = [texts[costs.index(length)]]
         started = time.perf_counter()
-        loaded.forward(lone)
+        encoder.encode(lone)
         samples.append((1, length, time.perf_counter() - started))
     coefficients = fit_time_model(samples)
     if coefficients is not None:
         predict = functools.partial(predict_seconds, coefficients)
         plan = cheapest_batches(costs, max_items, max_tokens, predict)
-        results.append(_time_plan(loaded, items, plan, repeats, None))
+        results.append(_time_plan(encoder, texts, costs, plan, repeats, None))
     best = min(results, key=lambda r: r[0])
     compute_s, cpu_s, batches = best
     padded = sum(len(b) * max(costs[i] for i in b) for b in batches)
     other = [r for r in results if r is not best]
     return LimitResult(
-        num_inputs=len(items),
+        num_inputs=len(texts),
         num_batches=len(batches),
         compute_s=compute_s,
-        inputs_per_s=len(items) / compute_s,
-        mean_batch_size=len(items) / len(batches),
+        inputs_per_s=len(texts) / compute_s,
+        mean_batch_size=len(texts) / len(batches),
         padding_ratio=padded / sum(costs),
         tokenize_s=tokenize_s,
-        cpu_ms_per_input=cpu_s * 1e3 / len(items),
+        cpu_ms_per_input=cpu_s * 1e3 / len(texts),
         plan=LARGEST if best is results[0] else CHEAPEST,
-        other_plan_inputs_per_s=len(items) / other[0][0] if other else math.nan,
+        other_plan_inputs_per_s=len(texts) / other[0][0] if other else math.nan,
         num_threads=torch.get_num_threads(),
     )
 
 
 def _time_plan(
-    loaded: Model,
-    items: Sequence[Any],
+    encoder: PlainEncoder,
+    texts: Sequence[str],
+    costs: Sequence[int],
     batches: list[list[int]],
     repeats: int,
     samples: list[tuple[int, int, float]] | None,
@@ -150,27 +145,28 @@ def _time_plan(
     started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(repeats):
         for batch in batches:
-            chunk = [items[i] for i in batch]
+            chunk = [texts[i] for i in batch]
             batch_started = time.perf_counter()
-            loaded.forward(chunk)
+            encoder.encode(chunk)
             if samples is not None:
                 elapsed = time.perf_counter() - batch_started
-                samples.append((len(chunk), max(item.cost for item in chunk), elapsed))
+                samples.append((len(chunk), max(costs[i] for i in batch), elapsed))
     wall = (time.perf_counter() - started) / repeats
     return wall, (time.process_time() - cpu_started) / repeats, batches
 
 
 class Batch1Timer:
-    """Times ``forward`` of one input alone, called between the one-client requests, so the
-    model's batch-1 latency and the server's are measured at the same moments of one run."""
+    """Times one input alone through the plain calls, called between the one-client requests,
+    so the model's batch-1 latency and the server's are measured at the same moments of one
+    run."""
 
-    def __init__(self, loaded: Model, texts: Sequence[str]) -> None:
-        self._model = loaded
-        self._items = loaded.prepare(list(texts), truncate=True)
+    def __init__(self, encoder: PlainEncoder, texts: Sequence[str]) -> None:
+        self._encoder = encoder
+        self._texts = list(texts)
         self.latencies_s: list[float] = []
 
     def __call__(self, index: int) -> None:
-        item = self._items[index]
+        text = self._texts[index]
         started = time.perf_counter()
-        self._model.forward([item])
+        self._encoder.encode([text])
         self.latencies_s.append(time.perf_counter() - started)

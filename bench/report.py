@@ -62,7 +62,8 @@ def load_table(result: BenchResult) -> str:
 def idle_table(idle: dict[str, LoadSummary], batch1_p50_s: dict[str, float]) -> str:
     lines = [
         "One client, single-input requests, one at a time. Between two requests the benchmark "
-        "runs the same input through `model.forward` alone, in-process: the model's batch-1 "
+        "runs the same input alone through plain transformers calls (tokenizer, model, "
+        "pooling), in-process: the model's batch-1 "
         "latency at the same moments (an idle 2-core VM runs everything slower than a busy "
         "loop does, so a batch-1 figure from a tight loop would flatter the model).",
         "",
@@ -155,15 +156,18 @@ def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
         "inputs); open-loop levels send Poisson arrivals with 10% bursts of 16 for "
         f"{o.duration_s:g} s. Every server configuration runs with the server's default "
         "thread count (every CPU) unless `--server-flag` sets one. The limit runs the same "
-        "inputs through `model.forward` as a plain script would: torch's default thread count "
+        "inputs through plain transformers calls, as a user's script would (each batch "
+        "tokenized by the tokenizer, run through the model and mean-pooled; none of the "
+        "server's code): torch's default thread count "
         f"({limit.num_threads} threads, every CPU this process may use) and ideal batches over "
         f"every input at once (sorted by length, at most {o.max_batch_size} items and "
         f"{o.max_batch_tokens} padded tokens, the server's default caps), planned two ways: "
         "the largest batches the budget allows, and the cheapest split by a time model fitted "
         f"to those batches. The faster plan counts: {limit.plan}, {limit.num_batches} batches, "
         f"{limit.compute_s:.2f} s of compute (the other plan: "
-        f"{_num(limit.other_plan_inputs_per_s)} inputs/s); tokenizing took "
-        f"{limit.tokenize_s:.3f} s more (not counted). Padding is padded / real tokens. "
+        f"{_num(limit.other_plan_inputs_per_s)} inputs/s), tokenizing included; counting "
+        f"every input's tokens for the plans took {limit.tokenize_s:.3f} s more (not counted). "
+        "Padding is padded / real tokens. "
         "Latencies are client-side, over successful requests.",
         "",
         "## Throughput and latency by load level",

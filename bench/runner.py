@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .limit import Batch1Timer, LimitResult, load_bench_model, measure_limit
+from .limit import Batch1Timer, LimitResult, measure_limit
 from .loadgen import RunResult, closed_loop, open_loop
+from .plain import load_plain_encoder
 from .sampler import Sample, Sampler
 from .servers import Replica, start_replicas
 from .stats import LoadSummary, parse_scrape, percentile, summarize
@@ -118,11 +119,11 @@ def run_bench(options: BenchOptions, *, progress: Callable[[str], None] = log.in
     requests = make_requests(spec, options.requests_per_level)
     singles = make_requests(spec, options.idle_requests, single_input=True)
     progress(f"in-process limit over {sum(len(r) for r in requests)} inputs")
-    model = load_bench_model()
+    encoder = load_plain_encoder()
     texts = [text for r in requests for text in r]
 
     def measure() -> LimitResult:
-        return measure_limit(model, texts, max_items=options.max_batch_size,
+        return measure_limit(encoder, texts, max_items=options.max_batch_size,
                              max_tokens=options.max_batch_tokens)  # fmt: skip
 
     limit = measure()
@@ -146,7 +147,7 @@ def run_bench(options: BenchOptions, *, progress: Callable[[str], None] = log.in
         with start_replicas(flag_lists) as replicas:
             for config, replica in zip(group, replicas, strict=True):
                 _run_config(result, replica, config, levels, requests, singles, spec,
-                            Batch1Timer(model, [r[0] for r in singles]), measure,
+                            Batch1Timer(encoder, [r[0] for r in singles]), measure,
                             timeline=config == timeline_config, progress=progress)  # fmt: skip
     if options.overhead_requests:
         progress("server overhead with the no-op model")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -73,19 +74,27 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     return dtype
 
 
-def cpu_threads(requested: int | None) -> int:
-    """Intra-op threads for CPU inference: as asked, else every CPU this process may use
-    (torch's own default). NOTE: measured on 2 vCPUs, leaving a core to the event loop cost a
-    third of throughput and of one-client latency; what hurt with every core in the pool was
-    OpenMP's idle workers spinning on the event loop's core, which the server bounds
-    (``GOMP_SPINCOUNT``)."""
+def cpu_threads(requested: int | None, environ: Mapping[str, str] = os.environ) -> int:
+    """Intra-op threads for CPU inference: as asked, else ``OMP_NUM_THREADS`` where it is set
+    (``batchfit up`` shares the cores out among its replicas with it), else every CPU this
+    process may use (torch's own default). NOTE: measured on 2 vCPUs, leaving a core to the
+    event loop cost a third of throughput and of one-client latency; what hurt with every
+    core in the pool was OpenMP's idle workers spinning on the event loop's core, which the
+    server bounds (``GOMP_SPINCOUNT``)."""
     if requested is not None:
         return requested
-    return available_cpus()
+    return omp_num_threads(environ) or available_cpus()
+
+
+def omp_num_threads(environ: Mapping[str, str] = os.environ) -> int | None:
+    """``OMP_NUM_THREADS`` (its first level, as in ``4,2``); None where unset or not a
+    positive count."""
+    first = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
 
 
 def available_cpus() -> int:
-    """The CPUs this process may run on: torch's own default thread count."""
+    """The CPUs this process may run on (its affinity; a cgroup's CPU quota is not seen here)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1

@@ -154,8 +154,10 @@ def markdown(results: dict[str, Any], device: str) -> str:
     lines += ["", "## 2. Out-of-memory storm", ""]
     lines += [
         "| sizer | dtype | inputs | failed | OOM splits | batches | budget before | budget low "
-        "| room at ready | held peak | min cosine | ready | grow-back batches |",
-        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| room at ready (replica) | room (check) | held peak | min cosine | ready "
+        "| grow-back batches |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- "
+        "| ---: |",
     ]
     errors = []
     for run in (results.get("storm") or {}).get("runs", []):
@@ -168,7 +170,8 @@ def markdown(results: dict[str, Any], device: str) -> str:
             f"{plan['num_inputs']} | {run.get('failed_requests') or 0} | "
             f"{_num(run.get('oom_splits'), '.0f')} | {_num(run.get('batches'), '.0f')} | "
             f"{_mib(run.get('budget_before_bytes'))} | {_mib(run.get('budget_low_bytes'))} | "
-            f"{_mib(run.get('room_at_ready_bytes'))} | {_mib(run.get('held_peak_bytes'))} | "
+            f"{_mib(run.get('room_at_ready_bytes'))} | {_mib(run.get('independent_room_bytes'))} | "
+            f"{_mib(run.get('held_peak_bytes'))} | "
             f"{_num(run.get('min_cosine_vs_cpu_float32'), '.5f')} | {run.get('ready_after')} | "
             f"{grow.get('batches', '-')} |"
         )

@@ -75,22 +75,57 @@ class MetricsSampler(threading.Thread):
         self.join(10)
 
 
+def nvml_free_bytes(device: str) -> int | None:
+    """Free memory of a CUDA device as NVML tells this process (the check itself, not the
+    replica); None where NVML cannot be read."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(device.partition(":")[2] or 0))
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+    except Exception:  # no module, no driver, no device: NVML has many error types
+        return None
+
+
 class Ballast:
     """Device memory held by this process so that about ``leave_bytes`` stay free; on the CPU
-    it holds nothing (a replica's ``--memory-limit`` plays its part there)."""
+    it holds nothing (a replica's ``--memory-limit`` plays its part there).
+
+    NVML's free memory is read by the check before and after the ballast, independently of
+    anything a replica reports: ``room_bytes`` (free before, less the ballast's own bytes) is
+    all a replica started beside it could ever use."""
 
     def __init__(self, device: str, leave_bytes: int) -> None:
         self.device = device
         self.held_bytes = 0
         self.free_after_bytes: int | None = None
+        self.nvml_free_before_bytes: int | None = None
+        self.nvml_free_after_bytes: int | None = None
         self._tensor: Any = None
         if device.startswith("cuda"):
             import torch
 
-            free, _ = torch.cuda.mem_get_info(device)
+            free, _ = torch.cuda.mem_get_info(device)  # this process's context exists now
+            self.nvml_free_before_bytes = nvml_free_bytes(device)
             self.held_bytes = max(0, free - leave_bytes)
             self._tensor = torch.empty(self.held_bytes, dtype=torch.uint8, device=device)
+            torch.cuda.synchronize(device)
             self.free_after_bytes = torch.cuda.mem_get_info(device)[0]
+            self.nvml_free_after_bytes = nvml_free_bytes(device)
+
+    @property
+    def room_bytes(self) -> int | None:
+        if self.nvml_free_before_bytes is None:
+            return None
+        return self.nvml_free_before_bytes - self.held_bytes
+
+    def seen_by_nvml(self) -> bool:
+        """NVML's free memory dropped by the ballast's bytes (within 2% and 256 MiB)."""
+        before, after = self.nvml_free_before_bytes, self.nvml_free_after_bytes
+        if before is None or after is None:
+            return False
+        return abs((before - after) - self.held_bytes) <= 0.02 * self.held_bytes + 256 * 2**20
 
     def release(self) -> None:
         if self._tensor is not None:

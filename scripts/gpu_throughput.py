@@ -17,6 +17,7 @@ import httpx
 
 from bench.limit import measure_limit
 from bench.loadgen import closed_loop
+from bench.plain import load_plain_encoder
 from bench.servers import start_replica
 from bench.stats import parse_scrape, summarize
 from bench.workload import WorkloadSpec, make_requests
@@ -40,20 +41,18 @@ class ThroughputPlan:
 def run_throughput(plan: ThroughputPlan, log_dir: Path) -> dict[str, Any]:
     import torch
 
-    from models import ModelSpec, load_model
-
     spec = WorkloadSpec(seed=0)
     requests = make_requests(spec, plan.num_requests)
     texts = [text for request in requests for text in request]
     on_cuda = plan.device.startswith("cuda")
-    model = load_model(ModelSpec(model=plan.model, device=plan.device, dtype=plan.dtype))
+    model = load_plain_encoder(plan.model, device=plan.device, dtype=plan.dtype)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(plan.device)
     limit = measure_limit(model, texts, max_items=plan.max_batch_size,
                           max_tokens=plan.max_batch_tokens)  # fmt: skip
     figures: dict[str, Any] = {
         "plan": asdict(plan),
-        "model_info": {"dtype": model.info.dtype, "parameters": model.info.num_parameters},
+        "model_info": {"dtype": model.dtype, "parameters": model.num_parameters},
         "limit": asdict(limit),
         "limit_peak_allocated_bytes": (
             torch.cuda.max_memory_allocated(plan.device) if on_cuda else None

@@ -33,7 +33,8 @@ _PRESENT_NAMES = """
     botorch build certifi charset-normalizer click cloudpickle colorama filelock frozenlist
     fsspec h11 h5py hf-xet httpcore httpx huggingface-hub idna iniconfig jinja2 joblib
     markupsafe mpmath multidict networkx numpy nvidia-ml-py packaging pillow pip pluggy
-    prometheus-client propcache protobuf psutil pygments pytest pytest-timeout python-dateutil
+    prometheus-client propcache protobuf psutil pyarrow pygments pytest pytest-timeout
+    python-dateutil
     pyyaml regex requests rich safetensors scikit-learn scipy sentence-transformers setuptools
     six sympy threadpoolctl tokenizers torch tqdm transformers triton typer typing-extensions
     urllib3 uvloop wheel yarl zipp

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from bench.cli import add_bench_flags, bench
+from bulk.cli import add_bulk_parsers, bulk_main
 
 from .app import create_app
 from .one_write import OneWriteHTTPProtocol
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="Benchmark the server against the in-process limit; write a report."
     )
     add_bench_flags(bench_parser)
+    add_bulk_parsers(commands)
     return parser
 
 
@@ -174,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return up(args)
     if args.command == "bench":
         return bench(args)
+    if getattr(args, "bulk_task", None) is not None:
+        return bulk_main(args)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:

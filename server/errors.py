@@ -12,7 +12,14 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from batching import DeadlineExceeded, InferenceFailed, OutOfMemory, QueueFull, ShuttingDown
+from batching import (
+    DeadlineExceeded,
+    InferenceFailed,
+    NeverAdmitted,
+    OutOfMemory,
+    QueueFull,
+    ShuttingDown,
+)
 from models import InputTooLong, UnknownPrompt
 
 log = logging.getLogger(__name__)
@@ -160,6 +167,8 @@ def to_api_error(exc: BaseException) -> ApiError:
             return exc
         case QueueFull():
             return ApiError(429, "overloaded", str(exc), retry_after_s=exc.retry_after_s)
+        case NeverAdmitted():
+            return ApiError(413, "too_many_inputs", str(exc))
         case InputTooLong():
             return ApiError(413, "input_too_long", str(exc))
         case UnknownPrompt():

@@ -113,7 +113,10 @@ class Settings(BaseSettings):
         "others; beyond it that model's requests get 429.",
     )
     max_inputs_per_request: int = Field(
-        256, ge=1, description="Most inputs in one request; beyond it 413."
+        256,
+        ge=1,
+        description="Most inputs in one request; beyond it 413. At most --max-queue-items "
+        "(and one model's --max-queue-share of it), so that every request can be admitted.",
     )
     max_input_tokens: int | None = Field(
         None, ge=2, description="Truncation length; defaults to the model's own maximum."
@@ -121,8 +124,9 @@ class Settings(BaseSettings):
     num_threads: int | None = Field(
         None,
         ge=1,
-        description="torch intra-op threads on CPU; default: every CPU the process may use "
-        "(torch's own default).",
+        description="torch intra-op threads on CPU; default: OMP_NUM_THREADS where set (batchfit "
+        "up sets it to share the cores among its replicas), else every CPU the process may "
+        "use, at most its cgroup's CPU quota rounded up.",
     )
     max_body_bytes: int = Field(
         2 * 2**20, ge=1024, description="Largest request body accepted; beyond it 413."
@@ -254,6 +258,27 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"default_timeout_s ({self.default_timeout_s}) exceeds "
                 f"max_timeout_s ({self.max_timeout_s})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_admission(self) -> Settings:
+        """A request of ``max_inputs_per_request`` inputs must fit in the queue (and in one
+        model's share of it); else such a request would get 429 "retry later" for ever."""
+        limit = self.max_inputs_per_request
+        if limit > self.max_queue_items:
+            raise ValueError(
+                f"max_inputs_per_request ({limit}) exceeds max_queue_items "
+                f"({self.max_queue_items}): such a request could never be admitted; lower "
+                "--max-inputs-per-request or raise --max-queue-items"
+            )
+        share = self.max_items_per_model()
+        if share is not None and limit > share:
+            raise ValueError(
+                f"max_inputs_per_request ({limit}) exceeds one model's share of the queue "
+                f"({share} = max_queue_items {self.max_queue_items} x max_queue_share "
+                f"{self.max_queue_share}): such a request could never be admitted; lower "
+                "--max-inputs-per-request or raise --max-queue-share (or --max-queue-items)"
             )
         return self
 

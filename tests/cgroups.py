@@ -1,4 +1,4 @@
-"""A child memory cgroup for tests: fails under CI=true where none can be made, else skips."""
+"""Child cgroups for tests: fail under CI=true where none can be made, else skip."""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ __all__ = ["ChildCgroup", "child_cgroup"]
 
 
 @contextlib.contextmanager
-def child_cgroup(name: str) -> Iterator[ChildCgroup]:
-    """A fresh child of this process's memory cgroup, removed afterwards (whatever still runs
-    inside is killed first). Where none can be made (not root, no memory controller,
-    read-only): fail when CI is set (CI runs as root with a writable controller), else skip."""
+def child_cgroup(
+    name: str, controller: str = "memory", parent: ChildCgroup | None = None
+) -> Iterator[ChildCgroup]:
+    """A fresh child of this process's ``controller`` cgroup (or of ``parent``), removed
+    afterwards (whatever still runs inside is killed first). Where none can be made (not
+    root, no such controller, read-only): fail when CI is set (CI runs as root with writable
+    memory and cpu controllers), else skip."""
     try:
-        cgroup = make_child_cgroup(f"test-{name}")
+        cgroup = make_child_cgroup(f"test-{name}", controller, parent)
     except OSError as exc:
-        message = f"cannot make a memory cgroup to run the replica in: {exc}"
+        message = f"cannot make a {controller} cgroup to run the replica in: {exc}"
         unavailable(message)
     try:
         yield cgroup

@@ -14,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from batching import MemoryLimit, MemoryReading
-from models import ArchitectureShape, Item, ModelInfo, ModelOutOfMemory
+from models import ArchitectureShape, DeviceError, Item, ModelInfo, ModelOutOfMemory
 
 SHAPE = ArchitectureShape(
     hidden_size=8, num_layers=1, num_heads=1, intermediate_size=16, element_bytes=4,
@@ -232,3 +232,27 @@ class SlowWarmUpModel(ScriptedModel):
 def slow_warm_up_model() -> SlowWarmUpModel:
     """Entry point for ``--model python:tests.fakes:slow_warm_up_model``."""
     return SlowWarmUpModel()
+
+
+class FaultyDeviceModel(ScriptedModel):
+    """A device that fails on the input ``DEVICE_FAULT``: ``forward`` says it has started (the
+    file ``entered`` in ``$BATCHFIT_TEST_FAULT_DIR``), waits for the test to create
+    ``release`` there (so that requests can queue up behind it), then raises a CUDA error."""
+
+    def forward(self, items: Sequence[Item]) -> list[Any]:
+        if any(item.data == DEVICE_FAULT for item in items):
+            folder = Path(os.environ["BATCHFIT_TEST_FAULT_DIR"])
+            (folder / "entered").touch()
+            deadline = time.monotonic() + 60
+            while not (folder / "release").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise DeviceError("CUDA error: an illegal memory access was encountered")
+        return super().forward(items)
+
+
+DEVICE_FAULT = "device fault"
+
+
+def faulty_device_model() -> FaultyDeviceModel:
+    """Entry point for ``--model python:tests.fakes:faulty_device_model``."""
+    return FaultyDeviceModel()

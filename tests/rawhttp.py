@@ -39,3 +39,32 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
             break
         body += chunk
     return int(status_line.split()[1]), headers, body
+
+
+def data_segments_received(sock: socket.socket) -> tuple[int, int]:
+    """TCP segments that carried data to ``sock`` since it connected, and their bytes, as the
+    kernel counts them (``TCP_INFO``: ``tcpi_data_segs_in``, ``tcpi_bytes_received``). On
+    loopback one ``send()`` of a few KiB arrives as one segment and two sends as two: a test
+    can tell from the client side how many writes an answer left the server in."""
+    raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    bytes_received = int.from_bytes(raw[128:136], "little")
+    data_segs_in = int.from_bytes(raw[152:156], "little")
+    return data_segs_in, bytes_received
+
+
+def get(port: int, path: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    return sock
+
+
+class CountingReader:
+    """A socket's ``recv`` that counts the bytes it returned (for ``read_response``)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.num_bytes = sock, 0
+
+    def recv(self, size: int) -> bytes:
+        data = self.sock.recv(size)
+        self.num_bytes += len(data)
+        return data

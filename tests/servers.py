@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 
@@ -69,3 +72,53 @@ def run_server(
         yield server
     finally:
         stop_process(process)
+
+
+T = TypeVar("T")
+LONG_INPUT = " ".join(["queue"] * 300)  # truncated to the bundled model's 256 tokens
+
+
+def queue_depth(metrics_url: str) -> float:
+    """``batchfit_queue_depth`` as scraped from ``metrics_url`` (``.../metrics``)."""
+    scrape = httpx.get(metrics_url, timeout=10).text
+    match = re.search(r"^batchfit_queue_depth (\S+)$", scrape, re.MULTILINE)
+    assert match, "no batchfit_queue_depth in the scrape"
+    return float(match.group(1))
+
+
+@contextlib.contextmanager
+def queue_held(url: str, capacity: int, *, metrics_url: str | None = None) -> Iterator[None]:
+    """While inside, the replica's queue has held waiting items since the moment it was
+    entered: a request of ``capacity`` long inputs runs in the background (its batches take
+    seconds), and ``batchfit_queue_depth`` was seen above 0. A request of ``capacity`` inputs
+    sent then can only be refused as a full queue (429)."""
+    with ThreadPoolExecutor(1) as pool:
+        background = pool.submit(
+            httpx.post, f"{url}/v1/infer", timeout=300,
+            json={"inputs": [LONG_INPUT] * capacity, "timeout_s": 300},
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while queue_depth(metrics_url or f"{url}/metrics") < 1:
+            assert not background.done(), background.result().text
+            assert time.monotonic() < deadline, "the held request never reached the queue"
+            time.sleep(0.005)
+        try:
+            yield
+        finally:
+            assert background.result().status_code == 200, background.result().text
+
+
+def when_queue_full(
+    url: str, capacity: int, send: Callable[[], T], status: Callable[[T], int],
+    *, metrics_url: str | None = None, tries: int = 3,
+) -> T:  # fmt: skip
+    """``send()``'s answer while ``queue_held``: the first that is a 429. A host slowed down
+    enough may drain the queue before the request arrives, so up to ``tries`` holds."""
+    answers: list[Any] = []
+    for _ in range(tries):
+        with queue_held(url, capacity, metrics_url=metrics_url):
+            answer = send()
+        if status(answer) == 429:
+            return answer
+        answers.append(answer)
+    raise AssertionError(f"no 429 while the queue was held: {answers}")

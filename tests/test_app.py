@@ -79,14 +79,55 @@ async def test_not_ready_until_warm_up_finishes(registry):
 
 
 async def test_queue_full_is_429_with_retry_after_and_never_reaches_the_model(registry):
-    model = ScriptedModel()
-    async with running(model, registry, max_queue_items=2) as client:
-        warm_batches = len(model.batch_sizes)
-        response = await client.post("/v1/infer", json={"inputs": ["a", "b", "c"]})
-        assert_error(response, 429, "overloaded")
+    gate = threading.Event()
+    gate.set()  # warm-up runs freely
+    model = ScriptedModel(gate=gate)
+    async with running(model, registry, max_queue_items=2, max_inputs_per_request=2) as client:
+        gate.clear()
+        model.entered.clear()
+        first = asyncio.ensure_future(client.post("/v1/infer", json={"inputs": "running"}))
+        await asyncio.to_thread(model.entered.wait, TIMEOUT)  # its batch is on the model
+        held = asyncio.ensure_future(client.post("/v1/infer", json={"inputs": ["a", "b"]}))
+        async with asyncio.timeout(TIMEOUT):  # a guard against hangs
+            while registry.get_sample_value("batchfit_queue_depth") != 2:
+                await asyncio.sleep(0.01)
+        response = await client.post("/v1/infer", json={"inputs": "c"})
+        body = assert_error(response, 429, "overloaded")
+        assert "queue is full (2 of 2 items waiting)" in body["error"]
         assert int(response.headers["retry-after"]) >= 1
-        assert len(model.batch_sizes) == warm_batches
-        assert (await client.post("/v1/infer", json={"inputs": ["a", "b"]})).status_code == 200
+        gate.set()
+        assert [r.status_code for r in await asyncio.gather(first, held)] == [200, 200]
+    assert "c" not in model.seen
+
+
+async def test_a_request_the_queue_can_never_hold_is_413_not_429(registry):
+    """Two models given in code (the settings name one, so start-up cannot check the share):
+    a's share is 2 of the queue's 4 items; 3 inputs for a would get 429 for ever."""
+    from tests.test_multimodel_app import classifier
+
+    a = ScriptedModel()
+    app = create_app(
+        Settings(sizer="fixed", max_queue_items=4, max_queue_share=0.5, max_inputs_per_request=4),
+        models={"a": a, "b": classifier()}, registry=registry,
+    )  # fmt: skip
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        async with asyncio.timeout(TIMEOUT):
+            while (await client.get("/health/ready")).status_code != 200:
+                await asyncio.sleep(0.01)
+        never = await client.post("/v1/infer", json={"inputs": ["1", "2", "3"], "model": "a"})
+        fits = await client.post("/v1/infer", json={"inputs": ["1", "2"], "model": "a"})
+    body = assert_error(never, 413, "too_many_inputs")
+    assert body["error"] == (
+        "3 inputs can never be admitted: model 'a' may hold at most 2 of the queue's items; "
+        "send fewer per request"
+    )
+    assert "retry-after" not in never.headers
+    assert fits.status_code == 200
+    assert registry.get_sample_value("batchfit_rejections_total", {"reason": "too_large"}) == 1
 
 
 async def test_deadline_passed_while_waiting_is_504(registry):

@@ -117,13 +117,25 @@ async def test_model_error_fails_the_batch_and_the_loop_goes_on(harness_factory)
     assert second[0].future.result() == "out:c"
 
 
-async def test_device_error_marks_unhealthy(harness_factory):
-    h = harness_factory(model=ScriptedModel(fail_with=DeviceError("CUDA error: illegal address")))
-    pendings = h.submit(["a"])
-    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+async def test_a_device_error_fails_its_batch_and_everything_queued_and_ends_the_loop(
+    harness_factory,
+):
+    """A device that failed cannot be trusted with the next batch: ``run`` fails what it
+    holds and raises, for the owner to stop the process (a model error, above, does not)."""
+    h = harness_factory(
+        model=ScriptedModel(fail_with=DeviceError("CUDA error: illegal address")),
+        sizer=FixedSizer(max_items=2, max_tokens=10_000),
+    )
+    running = h.submit(["a", "b"])
+    queued = h.submit(["c", "d", "e"], request_id="later")  # more than one batch holds
+    with pytest.raises(DeviceError):
+        await asyncio.wait_for(h.batcher.run(), TIMEOUT)
     assert not h.batcher.healthy
-    with pytest.raises(InferenceFailed):
-        pendings[0].future.result()
+    assert h.model.batch_sizes == [2]  # nothing ran on the device after the error
+    for pending in running + queued:
+        with pytest.raises(InferenceFailed, match="the device failed; this replica is stopping"):
+            pending.future.result()
+    assert len(h.queue) == 0
 
 
 async def test_wrong_output_count_fails_instead_of_misrouting(harness_factory):

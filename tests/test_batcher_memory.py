@@ -5,12 +5,22 @@ import asyncio
 import numpy as np
 import pytest
 
-from batching import AdaptiveConfig, AdaptiveSizer, MemoryLimit, OutOfMemory, PeakModel
+from batching import (
+    AdaptiveConfig,
+    AdaptiveSizer,
+    BatchOutcome,
+    CompositeProbe,
+    MemoryLimit,
+    OutOfMemory,
+    PeakModel,
+)
 from models import ModelOutOfMemory, ModelSpec, load_model
 from models.testing import save_tiny_model
 from tests.fakes import ScriptedModel, ScriptedProbe
+from tests.test_probes import FlakyProbe
 
 TIMEOUT = 10
+MiB = 2**20
 
 
 def sample(h, name, **labels):
@@ -115,3 +125,41 @@ async def test_outputs_after_a_split_equal_the_unsplit_outputs(harness_factory, 
     assert wrapped.sizes == [6, 3, 1, 2, 3, 1, 2]
     for pending, expected in zip(pendings, unsplit, strict=True):
         np.testing.assert_allclose(pending.future.result(), expected, atol=1e-5)
+
+
+async def test_while_the_probe_fails_the_budget_keeps_its_last_reading_and_the_ceiling(
+    harness_factory, clock
+):
+    """One read error must not turn memory-awareness off: the batch sizes keep following the
+    last reading, under the ceiling proven at warm-up, and the probe is read again later."""
+    flaky = FlakyProbe(free_bytes=5 * MiB)  # 1 MiB per item; 10% headroom: 4 items
+    probe = CompositeProbe([flaky], clock=clock.now, retry_initial_s=1, retry_max_s=1)
+    config = AdaptiveConfig(max_items=64, max_tokens=10**6, headroom_fraction=0.1,
+                            safety_factor=1.0)  # fmt: skip
+    sizer = AdaptiveSizer(PeakModel(alpha=MiB / 3, beta=0), config)
+    sizer.calibrate(BatchOutcome(6, 3, 0.0, 6 * MiB))
+    sizer.finish_warm_up()  # proven: 6 items
+    model = ScriptedModel()
+    h = harness_factory(model=model, sizer=sizer, probe=probe)
+
+    async def sizes(num_items):
+        before = len(model.batch_sizes)
+        h.submit(["x"] * num_items)  # 3 tokens each
+        while len(h.queue):
+            await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+        return model.batch_sizes[before:]
+
+    assert await sizes(10) == [4, 4, 2]
+    assert sample(h, "batchfit_probe_error", probe="flaky") == 0
+    flaky.failing, flaky.free_bytes = True, 20 * MiB
+    # The last reading (5 MiB), not the ceiling alone (6) nor the memory now (20).
+    assert await sizes(10) == [4, 4, 2]
+    assert sample(h, "batchfit_probe_error", probe="flaky") == 1
+    flaky.free_bytes = 3 * MiB
+    assert await sizes(3) == [3]  # not read again before its retry
+    flaky.failing = False
+    clock.advance(1.0)  # the retry reads again
+    assert await sizes(5) == [2, 2, 1]
+    assert sample(h, "batchfit_probe_error", probe="flaky") == 0
+    flaky.free_bytes = 20 * MiB
+    assert await sizes(7) == [6, 1]  # plenty free: the proven ceiling binds

@@ -1,5 +1,6 @@
 """Keep the package boundaries true: models imports neither batching nor server;
-batching never imports a concrete model (nor server)."""
+batching never imports a concrete model (nor server); bulk jobs compose models and batching
+without the server; none of models and batching imports bulk."""
 
 import ast
 from pathlib import Path
@@ -7,7 +8,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN = {"models": {"server", "batching"}, "batching": {"server", "models"}}
+FORBIDDEN = {
+    "models": {"server", "batching", "bulk"},
+    "batching": {"server", "models", "bulk"},
+    "bulk": {"server"},
+}
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -29,7 +34,7 @@ def test_package_boundaries(package):
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("package", ["server", "batching", "models"])
+@pytest.mark.parametrize("package", ["server", "batching", "models", "bulk"])
 def test_public_names_are_exported(package):
     module = __import__(package)
     assert module.__all__

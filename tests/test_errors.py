@@ -1,7 +1,14 @@
 import pytest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batching import DeadlineExceeded, InferenceFailed, OutOfMemory, QueueFull, ShuttingDown
+from batching import (
+    DeadlineExceeded,
+    InferenceFailed,
+    NeverAdmitted,
+    OutOfMemory,
+    QueueFull,
+    ShuttingDown,
+)
 from models import InputTooLong
 from server.errors import ERROR_TYPES, NGINX, REPLICA, ApiError, error_body, to_api_error
 from server.middleware import REJECTION_REASON
@@ -11,6 +18,7 @@ from server.middleware import REJECTION_REASON
     ("error", "status", "error_type"),
     [
         (QueueFull(10, 10, 1.0), 429, "overloaded"),
+        (NeverAdmitted(100, 64), 413, "too_many_inputs"),
         (InputTooLong(0, 600, 256), 413, "input_too_long"),
         (DeadlineExceeded(1.0), 504, "deadline_exceeded"),
         (OutOfMemory("input 0 does not fit"), 507, "out_of_memory"),
@@ -96,3 +104,7 @@ def test_every_error_type_the_code_names_is_registered_with_its_status():
         assert kind in ERROR_TYPES, where
         if status is not None and ERROR_TYPES[kind].statuses:
             assert status in ERROR_TYPES[kind].statuses, (where, status, kind)
+
+
+def test_a_request_that_can_never_be_admitted_gets_no_retry_after():
+    assert to_api_error(NeverAdmitted(100, 64)).retry_after_s is None

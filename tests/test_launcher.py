@@ -2,6 +2,7 @@ import socket
 
 import pytest
 
+from batching.procfs import CpuQuota
 from server.cli import build_parser
 from server.settings import LauncherSettings, Settings
 from server.supervise.launcher import (
@@ -65,8 +66,12 @@ def test_launcher_settings_are_described_and_validated():
 def test_replicas_share_the_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr("server.runtime.threads.own_cpu_quota", lambda: None)
     assert replica_environment(3)["OMP_NUM_THREADS"] == "2"
     assert replica_environment(16)["OMP_NUM_THREADS"] == "1"
+    # Under a CPU quota of 4.5 CPUs (5 rounded up) the launcher has 5 cores to share, not 8.
+    monkeypatch.setattr("server.runtime.threads.own_cpu_quota", lambda: CpuQuota(4.5, "/pod"))
+    assert replica_environment(2)["OMP_NUM_THREADS"] == "2"
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert replica_environment(3)["OMP_NUM_THREADS"] == "5"
 

@@ -201,7 +201,8 @@ def test_over_limit_body_is_refused_before_it_is_all_sent(declared):
 
 
 def test_overload_rejects_exactly_the_excess_fast_and_admitted_work_completes():
-    settings = {"max_batch_size": 2, "max_wait_ms": 1000, "max_queue_items": 4}
+    settings = {"max_batch_size": 2, "max_wait_ms": 1000, "max_queue_items": 4,
+                "max_inputs_per_request": 4}  # fmt: skip
     with gated(**settings) as (live, model, gate), ThreadPoolExecutor(6) as pool:
         running = [pool.submit(post, live.url, {"inputs": f"running {i}"}) for i in range(2)]
         assert model.entered.wait(TIMEOUT)  # a full batch of 2 is on the model thread

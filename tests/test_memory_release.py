@@ -69,12 +69,52 @@ def test_release_returns_the_free_holes_inside_the_heap():
     assert released >= 25 * 2**20
 
 
+class HoleyModel(ScriptedModel):
+    """Leaves 50 MiB of free holes in the C heap of the model thread for the input ``HOLES``
+    (the other half of its blocks stays held until ``free``), as batches of many shapes do."""
+
+    BLOCK = 64 * 2**10  # under glibc's mmap threshold: from the heap
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._libc = ctypes.CDLL("libc.so.6")
+        self._libc.malloc.restype = ctypes.c_void_p
+        self._libc.malloc.argtypes = [ctypes.c_size_t]
+        self._libc.free.argtypes = [ctypes.c_void_p]
+        self.held: list[int] = []
+
+    def forward(self, items):
+        if any(item.data == HOLES for item in items):
+            blocks = [self._libc.malloc(self.BLOCK) for _ in range(1600)]
+            for address in blocks:
+                ctypes.memset(address, 1, self.BLOCK)  # resident
+            for address in blocks[::2]:
+                self._libc.free(address)  # holes, none at the top: malloc keeps them
+            self.held += blocks[1::2]
+        return super().forward(items)
+
+    def free(self) -> None:
+        for address in self.held:
+            self._libc.free(address)
+        self.held = []
+
+
+HOLES = "leave holes"
+
+
 def test_a_quiet_replica_releases_after_its_requests():
-    with serve_in_thread(ScriptedModel(), memory_release_idle_s=0.05) as live:
-        response = httpx.post(f"{live.url}/v1/infer", json={"inputs": "one"}, timeout=TIMEOUT)
-        assert response.status_code == 200
-        live.wait_for(
-            lambda: live.sample("batchfit_host_heap_last_release_timestamp_seconds"),
-            timeout_s=TIMEOUT,
-        )
-        assert live.sample("batchfit_host_heap_released_bytes_total") >= 0
+    if release_host_memory() is None:
+        unavailable("releasing free heap memory needs glibc")
+    model = HoleyModel()
+    try:
+        with serve_in_thread(model, memory_release_idle_s=0.05) as live:
+            response = httpx.post(f"{live.url}/v1/infer", json={"inputs": HOLES}, timeout=TIMEOUT)
+            assert response.status_code == 200
+            live.wait_for(
+                lambda: live.sample("batchfit_host_heap_last_release_timestamp_seconds"),
+                timeout_s=TIMEOUT,
+            )
+            # The holes the request's batch left, handed back once the replica went quiet.
+            assert live.sample("batchfit_host_heap_released_bytes_total") >= 25 * 2**20
+    finally:
+        model.free()

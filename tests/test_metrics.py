@@ -20,7 +20,7 @@ from tests.servers import free_port
 TIMEOUT = 10
 LOW_CARDINALITY_LABELS = {
     "endpoint", "code", "error_type", "reason", "stage", "outcome", "le", "name", "task",
-    "device", "dtype", "model",
+    "device", "dtype", "model", "probe",
 }  # fmt: skip
 
 

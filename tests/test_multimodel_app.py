@@ -82,7 +82,7 @@ async def test_a_model_at_its_queue_share_gets_429_and_the_other_does_not(regist
     gate.set()  # warm-up runs freely
     gate_model = ScriptedModel(gate=gate)
     async with running({"a": gate_model, "b": classifier()}, registry, max_queue_items=4,
-                       max_queue_share=0.5) as client:  # fmt: skip
+                       max_queue_share=0.5, max_inputs_per_request=2) as client:  # fmt: skip
         gate.clear()
         gate_model.entered.clear()
         first = asyncio.ensure_future(client.post("/v1/infer", json={"inputs": "x"}))

@@ -6,8 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from batching import CompositeProbe, HostProbe, NvmlProbe, ProbeError, TorchCudaProbe
-from batching.probes import probes_for_device
+from batching import (
+    CompositeProbe,
+    HostProbe,
+    MemoryReading,
+    NvmlProbe,
+    ProbeError,
+    TorchCudaProbe,
+)
+from batching.composite import probes_for_device
 from batching.procfs import kib_field
 
 # --- the host probe, against the real /proc of this machine ---
@@ -167,7 +174,7 @@ def test_torch_cuda_probe_counts_the_allocator_cache_as_free_and_measures_peaks(
     assert limited.limit.describe() == "4096 MiB (flag --memory-limit)"
 
 
-def test_composite_takes_the_smallest_free_and_drops_a_failing_probe(caplog):
+def test_composite_takes_the_smallest_free(caplog):
     nvml = FakeNvml(used=79 * 2**30)  # another process holds nearly everything
     cuda = FakeCuda()
     composite = CompositeProbe([TorchCudaProbe("cuda:0", cuda=cuda), NvmlProbe(0, nvml=nvml)])
@@ -175,15 +182,74 @@ def test_composite_takes_the_smallest_free_and_drops_a_failing_probe(caplog):
     assert reading.free_bytes == 2**30
     assert reading.limit.where == "NVML"  # the limit behind the smallest free
     assert reading.allocated_bytes == 2 * 2**30
-    assert reading.sources == ("torch.cuda", "nvml")
-    nvml.used = 100 * 2**30  # now odd: dropped, logged once
-    with caplog.at_level(logging.WARNING):
-        composite.read()
-        composite.read()
-    assert sum("dropped" in r.message for r in caplog.records) == 1
-    assert composite.read().sources == ("torch.cuda",)
+    assert reading.sources == ("torch.cuda", "nvml") and reading.failing == ()
     composite.release_cache()
     assert cuda.emptied == 1
+
+
+class FlakyProbe:
+    """A probe whose ``read`` raises while ``failing``; it counts the calls."""
+
+    name = "flaky"
+
+    def __init__(self, free_bytes):
+        self.free_bytes, self.failing, self.calls = free_bytes, False, 0
+
+    def read(self):
+        self.calls += 1
+        if self.failing:
+            raise ProbeError("cannot read /sys/fs/cgroup/memory.current: EIO")
+        return MemoryReading(free_bytes=self.free_bytes, sources=(self.name,))
+
+    def start_batch(self):
+        if self.failing:
+            raise ProbeError("cannot read /proc/self/status")
+        return 100
+
+    def batch_peak(self):
+        return 150
+
+
+def test_a_failing_probe_is_retried_with_backoff_and_its_last_reading_stands_in(caplog):
+    now = [0.0]
+    flaky = FlakyProbe(free_bytes=1000)
+    composite = CompositeProbe([flaky], clock=lambda: now[0], retry_initial_s=1, retry_max_s=4)
+    assert composite.read().free_bytes == 1000
+    flaky.failing, flaky.free_bytes = True, 500
+    with caplog.at_level(logging.WARNING):
+        calls = []
+        for t in (0.0, 0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 9.0, 12.0):  # retries at 1, 3, 7, 11
+            now[0] = t
+            reading = composite.read()
+            assert (reading.free_bytes, reading.failing, reading.sources) == (1000, ("flaky",), ())
+            calls.append(flaky.calls)
+        assert calls == [2, 2, 3, 3, 4, 4, 5, 5, 6]  # waits of 1, 2, 4, then at most 4 s
+        assert composite.start_batch() is None  # no baseline from a probe in error
+        flaky.failing = False
+        now[0] = 16.0
+        reading = composite.read()
+    assert (reading.free_bytes, reading.failing, reading.sources) == (500, (), ("flaky",))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages  # once per change of state
+    assert messages[0].startswith("memory probe flaky failed: cannot read /sys/fs/cgroup/")
+    assert "with its last reading and the proven ceiling meanwhile" in messages[0]
+    assert messages[1] == "memory probe flaky reads again after 16s in error"
+    assert composite.start_batch() == 100 and composite.batch_peak() == 150
+
+
+def test_a_probe_that_fails_measuring_a_batch_does_not_fail_the_batch():
+    flaky = FlakyProbe(free_bytes=1000)
+    composite = CompositeProbe([flaky], clock=lambda: 0.0)
+    flaky.failing = True
+    assert composite.start_batch() is None and composite.batch_peak() is None
+    assert composite.read().failing == ("flaky",)  # in error until its retry reads
+
+
+def test_a_probe_in_error_from_the_start_reads_nothing():
+    flaky = FlakyProbe(free_bytes=1000)
+    flaky.failing = True
+    reading = CompositeProbe([flaky], clock=lambda: 0.0).read()
+    assert (reading.free_bytes, reading.failing) == (None, ("flaky",))
 
 
 def test_composite_with_no_probes_reads_nothing():

@@ -1,4 +1,4 @@
-"""Finding and reading this process's memory cgroup: pure parsing, table-driven."""
+"""Finding and reading this process's memory and cpu cgroups: pure parsing, table-driven."""
 
 from __future__ import annotations
 
@@ -8,11 +8,17 @@ import pytest
 
 from batching import HostProbe
 from batching.procfs import (
+    Cgroup,
     CgroupLimit,
     CgroupMemory,
+    CpuQuota,
     MemoryCgroup,
     OpenFiles,
+    cpu_quota,
+    find_cgroup,
     find_memory_cgroup,
+    parse_cfs_quota,
+    parse_cpu_max,
     parse_limit,
     parse_proc_cgroup,
     stat_field,
@@ -247,13 +253,19 @@ def test_v2_tree_reads_every_level_and_skips_the_root(tmp_path):
 
 def test_v1_tree_stops_at_the_first_unlimited_level(tmp_path):
     make_tree(tmp_path, {
-        "memory.stat": v1_stat(V1_UNLIMITED, 0).decode(),
+        "memory.stat": v1_stat(V1_UNLIMITED, 0).decode(), "memory.usage_in_bytes": "5000\n",
         "a/memory.stat": v1_stat(1000, 100).decode(), "a/memory.usage_in_bytes": "900\n",
         "a/b/memory.stat": v1_stat(1000, 0).decode(), "a/b/memory.usage_in_bytes": "300\n",
+        "above/memory.stat": v1_stat(10, 0).decode(), "above/memory.usage_in_bytes": "0\n",
     })  # fmt: skip
-    # The root's usage file is missing: reading it would fail, so the walk must stop first.
+    # v1's hierarchical_memory_limit already folds in every ancestor, so an unlimited level
+    # has none above it: a level listed past it (here with the least room of all) is never
+    # read.
     memory = CgroupMemory(MemoryCgroup(1, levels(tmp_path, "/a/b", "/a", "/")), OpenFiles())
-    memory._levels += (("/", (str(tmp_path / "memory.stat"), str(tmp_path / "missing"))),)
+    above = tmp_path / "above"
+    memory._levels += (("/above", (str(above / "memory.stat"),
+                                   str(above / "memory.usage_in_bytes"))),)  # fmt: skip
+    assert len(memory._levels) == 4
     assert memory.read() == CgroupLimit(1000, 800, "/a")
 
 
@@ -289,3 +301,84 @@ def test_the_enforced_limit_is_the_cgroup_even_where_the_flag_binds(tmp_path):
     assert reading.enforced.describe() == "64 MiB (cgroup /x)"
     assert reading.enforced_free_bytes == 24 * MiB
     assert HostProbe(cgroup=None).read().enforced.source == "host"
+
+
+# --- the cpu cgroup and its quota ---
+
+
+@pytest.mark.parametrize(
+    ("proc_cgroup", "mountinfo", "expected"),
+    [
+        pytest.param(
+            "4:memory:/process_api/abc\n1:cpu:/a/b\n0::/\n", HYBRID_MOUNTINFO,
+            Cgroup(1, (("/a/b", "/sys/fs/cgroup/cpu/a/b"), ("/a", "/sys/fs/cgroup/cpu/a"),
+                       ("/", "/sys/fs/cgroup/cpu"))),
+            id="v1: its own hierarchy, not memory's",
+        ),
+        pytest.param(
+            "5:cpu,memory:/kubepods/pod1\n", KUBE_MOUNTINFO,
+            Cgroup(1, (("/kubepods/pod1", "/mnt/my cgroups/pod1"),
+                       ("/kubepods", "/mnt/my cgroups"))),
+            id="v1, co-mounted with memory",
+        ),
+        pytest.param(
+            "0::/system.slice/x.service\n", V2_MOUNTINFO,
+            Cgroup(2, (("/system.slice/x.service", "/sys/fs/cgroup/system.slice/x.service"),
+                       ("/system.slice", "/sys/fs/cgroup/system.slice"), ("/", "/sys/fs/cgroup"))),
+            id="v2, nested",
+        ),
+        pytest.param("0::/\n", HYBRID_MOUNTINFO, None,
+                     id="hybrid whose unified hierarchy has no controllers"),
+        pytest.param("3:cpuset:/\n",
+                     "34 31 0:31 / /sys/fs/cgroup/cpuset rw - cgroup cgroup rw,cpuset\n", None,
+                     id="cpuset is not cpu"),
+    ],
+)  # fmt: skip
+def test_find_cpu_cgroup(proc_cgroup, mountinfo, expected):
+    assert find_cgroup("cpu", proc_cgroup, mountinfo, read_from(V2_CONTROLLERS)) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"),
+    [("max 100000\n", None), ("max\n", None), ("150000 100000\n", 1.5), ("50000 100000", 0.5),
+     ("400000 200000\n", 2.0), ("", None)],
+)  # fmt: skip
+def test_parse_cpu_max(text, cpus):
+    assert parse_cpu_max(text) == cpus
+
+
+@pytest.mark.parametrize(
+    ("quota", "period", "cpus"),
+    [("-1\n", "100000\n", None), ("100000\n", "100000\n", 1.0), ("250000", "100000", 2.5),
+     ("50000", "100000", 0.5)],
+)  # fmt: skip
+def test_parse_cfs_quota(quota, period, cpus):
+    assert parse_cfs_quota(quota, period) == cpus
+
+
+def test_v1_cpu_quota_is_the_smallest_over_every_level(tmp_path):
+    # Unlike memory, v1 folds no ancestor's quota into a level's files: the walk goes on past
+    # levels without one. The root has no quota; /a's binds, though /a/b/c and /a/b have none.
+    make_tree(tmp_path, {
+        "cpu.cfs_quota_us": "-1\n", "cpu.cfs_period_us": "100000\n",
+        "a/cpu.cfs_quota_us": "150000\n", "a/cpu.cfs_period_us": "100000\n",
+        "a/b/cpu.cfs_quota_us": "-1\n", "a/b/cpu.cfs_period_us": "100000\n",
+        "a/b/c/cpu.cfs_quota_us": "-1\n", "a/b/c/cpu.cfs_period_us": "100000\n",
+    })  # fmt: skip
+    cgroup = Cgroup(1, levels(tmp_path, "/a/b/c", "/a/b", "/a", "/"))
+    assert cpu_quota(cgroup) == CpuQuota(1.5, "/a")
+    (tmp_path / "a/b/cpu.cfs_quota_us").write_text("300000\n")  # looser than /a's: /a binds
+    assert cpu_quota(cgroup) == CpuQuota(1.5, "/a")
+    (tmp_path / "a/b/c/cpu.cfs_quota_us").write_text("50000\n")
+    assert cpu_quota(cgroup) == CpuQuota(0.5, "/a/b/c")
+
+
+def test_v2_cpu_quota_skips_the_root_and_levels_without_one(tmp_path):
+    make_tree(tmp_path, {
+        "a/cpu.max": "400000 100000\n", "a/b/cpu.max": "max 100000\n",
+        "a/b/c/cpu.max": "max 100000\n",
+    })  # fmt: skip
+    cgroup = Cgroup(2, levels(tmp_path, "/a/b/c", "/a/b", "/a", "/"))  # the root has no cpu.max
+    assert cpu_quota(cgroup) == CpuQuota(4.0, "/a")
+    (tmp_path / "a/cpu.max").write_text("max 100000\n")
+    assert cpu_quota(cgroup) is None

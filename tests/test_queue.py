@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from batching import Pending, QueueFull, RequestQueue
+from batching import NeverAdmitted, Pending, QueueFull, RequestQueue
 from models import Item
 
 
@@ -57,3 +57,29 @@ async def test_wait_not_empty_wakes_on_put():
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="at least 1, got 0"):
         RequestQueue(0)
+
+
+async def test_a_request_larger_than_the_queue_is_never_admitted_not_full():
+    loop = asyncio.get_running_loop()
+    queue = RequestQueue(3)
+    with pytest.raises(
+        NeverAdmitted, match="4 inputs can never be admitted: the queue holds at most 3"
+    ):
+        queue.put_many([pending(loop) for _ in range(4)])
+    queue.put_many([pending(loop) for _ in range(3)])  # exactly the capacity fits
+    with pytest.raises(QueueFull):  # now full, but 1 would fit later
+        queue.put_many([pending(loop)])
+
+
+async def test_a_request_larger_than_its_models_share_is_never_admitted():
+    loop = asyncio.get_running_loop()
+    queue = RequestQueue(4, max_items_per_model=2)
+    items = [pending(loop) for _ in range(3)]
+    for item in items:
+        item.model = "a"
+    with pytest.raises(NeverAdmitted, match="model 'a' may hold at most 2 of the queue's items"):
+        queue.put_many(items)
+    assert len(queue) == 0
+    queue.put_many(items[:2])
+    with pytest.raises(QueueFull, match="holds its share"):
+        queue.put_many(items[2:])

@@ -1,7 +1,9 @@
+import re
+
 import pytest
 from pydantic import ValidationError
 
-from server.cli import build_parser, settings_from_args
+from server.cli import build_parser, main, settings_from_args
 from server.settings import Settings
 
 
@@ -30,7 +32,8 @@ def test_cli_flags_match_field_names_and_override_env(monkeypatch):
     monkeypatch.setenv("BATCHFIT_PORT", "9000")
     args = build_parser().parse_args(
         ["serve", "--port", "9100", "--max-batch-size", "64", "--max-wait-ms", "1.5",
-         "--max-batch-tokens", "2048", "--max-queue-items", "10", "--device", "cpu"]
+         "--max-batch-tokens", "2048", "--max-queue-items", "10", "--max-inputs-per-request",
+         "10", "--device", "cpu"]
     )  # fmt: skip
     settings = settings_from_args(args)
     assert settings.port == 9100
@@ -134,7 +137,39 @@ def test_several_models_by_environment(monkeypatch, value):
 
 
 def test_queue_share_applies_only_with_several_models():
-    assert Settings(max_queue_items=100, max_queue_share=0.5).max_items_per_model() is None
-    two = Settings(model="a=x,b=y", max_queue_items=100, max_queue_share=0.5)
+    small = {"max_queue_items": 100, "max_queue_share": 0.5, "max_inputs_per_request": 50}
+    assert Settings(**small).max_items_per_model() is None
+    two = Settings(model="a=x,b=y", **small)
     assert two.max_items_per_model() == 50
     assert Settings(model="a=x,b=y").max_items_per_model() is None
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"max_queue_items": 64, "max_inputs_per_request": 100},
+         "max_inputs_per_request (100) exceeds max_queue_items (64): such a request could never "
+         "be admitted; lower --max-inputs-per-request or raise --max-queue-items"),
+        ({"max_queue_items": 64},  # the default of 256 inputs
+         "max_inputs_per_request (256) exceeds max_queue_items (64)"),
+        ({"model": "a=x,b=y", "max_queue_share": 0.2},
+         "max_inputs_per_request (256) exceeds one model's share of the queue (204 = "
+         "max_queue_items 1024 x max_queue_share 0.2): such a request could never be admitted; "
+         "lower --max-inputs-per-request or raise --max-queue-share (or --max-queue-items)"),
+    ],
+)  # fmt: skip
+def test_settings_under_which_a_full_request_can_never_be_admitted_are_refused(settings, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Settings(**settings)
+
+
+def test_every_full_request_fits_at_the_edges():
+    Settings(max_queue_items=64, max_inputs_per_request=64)
+    Settings(model="a=x,b=y", max_queue_share=0.25)  # a share of 256: exactly the limit
+    Settings(max_queue_share=0.2)  # one model: no share applies
+
+
+def test_serve_refuses_such_settings_at_start_up_and_names_the_flag(capsys, monkeypatch):
+    monkeypatch.setattr("server.cli.serve", lambda settings: 0)  # never a real server here
+    assert main(["serve", "--max-queue-items", "64"]) == 2
+    assert "lower --max-inputs-per-request or raise --max-queue-items" in capsys.readouterr().err

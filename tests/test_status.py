@@ -4,10 +4,11 @@ import base64
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from batching import BatchingMetrics, MemoryMetrics
-from server import Settings
-from server.middleware import RequestRecord
+from server import Settings, create_app
+from server.middleware import COUNTED_ENDPOINTS, RequestRecord, _v2_endpoint
 from server.status import SAMPLE_FIELDS, StatusHistory, percentile
 from tests.fakes import ScriptedModel
 from tests.test_app import assert_error, running
@@ -136,3 +137,28 @@ async def test_status_page_is_behind_the_api_key_and_a_browser_can_send_it(regis
             "/v1/infer", json={"inputs": "a"}, headers={"Authorization": f"Basic {basic}"}
         )
         assert_error(infer, 401, "unauthorized")
+
+
+def inference_routes():
+    """Every POST route of a replica but the admin ones, as the request middleware labels it."""
+    app = create_app(Settings(), model=ScriptedModel(), registry=CollectorRegistry())
+    schema = app.openapi()["paths"]
+    paths = {path for path, methods in schema.items()
+             if "post" in methods and not path.startswith("/admin")}  # fmt: skip
+    return sorted({path if path in COUNTED_ENDPOINTS else _v2_endpoint(path) for path in paths})
+
+
+@pytest.mark.parametrize("endpoint", inference_routes())
+def test_every_inference_endpoint_counts_in_requests_errors_and_latency(registry, endpoint):
+    assert endpoint != "other"
+    history = StatusHistory(registry, queue_depth=lambda: 0, window_s=10)
+    history.sample(wall_s=100.0, mono_s=50.0)
+    history.observe(_record(endpoint=endpoint, duration_s=0.02))
+    history.observe(_record(endpoint=endpoint, status=500, duration_s=0.5))
+    sample = history.sample(wall_s=101.0, mono_s=51.0)
+    assert (sample["requests_per_s"], sample["errors_per_s"]) == (2.0, 1.0)
+    assert sample["latency_p50_ms"] == sample["latency_p99_ms"] == 20.0
+
+
+def test_the_inference_routes_include_rerank():
+    assert "/v1/rerank" in inference_routes() and len(inference_routes()) >= 4

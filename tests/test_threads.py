@@ -1,5 +1,6 @@
-"""CPU thread count of the model (every CPU by default), of the benchmark's in-process limit
-(torch's default, whatever the server's), and OpenMP's wait policy."""
+"""CPU thread count of the model (the flag, else OMP_NUM_THREADS, else every CPU the cgroup's
+quota allows), of the benchmark's in-process limit (torch's default, whatever the server's),
+and OpenMP's wait policy."""
 
 import os
 import subprocess
@@ -10,22 +11,100 @@ import pytest
 import torch
 
 import models.loading
-from bench.limit import load_bench_model
+from batching.procfs import CpuQuota
+from bench.plain import load_plain_encoder
 from bench.runner import SERVER_CONFIGS, BenchOptions
 from models import ModelSpec, available_cpus, load_model
-from models.loading import cpu_threads
+from models.loading import cpu_threads, omp_num_threads
 from models.testing import save_tiny_model
+from server.runtime import runtime as runtime_module
+from server.runtime import threads
+from server.runtime.runtime import Runtime
+from server.runtime.threads import (
+    AFFINITY,
+    FLAG,
+    OMP,
+    ThreadCount,
+    choose_threads,
+    thread_count,
+)
+from server.runtime.threads import QUOTA as QUOTA_SOURCE
 from server.settings import Settings
+from tests.ci import unavailable
 from tests.servers import ROOT
 
 
-def test_default_uses_every_cpu_the_process_may_use():
+def test_default_uses_every_cpu_the_process_may_use(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cpu_threads(None) == available_cpus() == len(os.sched_getaffinity(0))
 
 
 @pytest.mark.parametrize("requested", [1, 3])
 def test_explicit_count_wins(requested):
-    assert cpu_threads(requested) == requested
+    assert cpu_threads(requested, {"OMP_NUM_THREADS": "2"}) == requested
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("1", 1), ("4", 4), (" 3 ", 3), ("4,2", 4), ("", None), ("0", None), ("-2", None),
+     ("many", None)],
+)  # fmt: skip
+def test_a_set_omp_num_threads_wins_over_every_cpu(value, expected):
+    assert omp_num_threads({"OMP_NUM_THREADS": value}) == expected
+    assert cpu_threads(None, {"OMP_NUM_THREADS": value}) == (expected or available_cpus())
+
+
+QUOTA = CpuQuota(1.5, "/kubepods/pod1")
+
+
+@pytest.mark.parametrize(
+    ("requested", "omp", "affinity", "quota", "expected"),
+    [
+        (None, None, 64, CpuQuota(4.0, "/pod"), ThreadCount(4, QUOTA_SOURCE, "/pod")),
+        (None, None, 64, QUOTA, ThreadCount(2, QUOTA_SOURCE, "/kubepods/pod1")),  # rounded up
+        (None, None, 8, CpuQuota(0.2, "/tiny"), ThreadCount(1, QUOTA_SOURCE, "/tiny")),
+        (None, None, 2, CpuQuota(4.0, "/pod"), ThreadCount(2, AFFINITY)),  # quota above it
+        (None, None, 2, CpuQuota(2.0, "/pod"), ThreadCount(2, AFFINITY)),
+        (None, None, 2, None, ThreadCount(2, AFFINITY)),
+        (None, 1, 64, QUOTA, ThreadCount(1, OMP)),
+        (3, 1, 64, QUOTA, ThreadCount(3, FLAG)),
+    ],
+)  # fmt: skip
+def test_the_default_is_the_smaller_of_affinity_and_quota(requested, omp, affinity, quota,
+                                                          expected):  # fmt: skip
+    assert choose_threads(requested, omp, affinity, quota) == expected
+
+
+def test_the_start_up_log_says_where_the_count_came_from():
+    assert ThreadCount(4, QUOTA_SOURCE, "/pod").describe() == "threads: 4 (cgroup cpu quota /pod)"
+    assert ThreadCount(1, OMP).describe() == "threads: 1 (OMP_NUM_THREADS)"
+    assert ThreadCount(2, AFFINITY).describe() == "threads: 2 (CPU affinity)"
+
+
+async def test_the_runtime_loads_every_model_with_its_count_and_logs_it(
+    tmp_path, registry, monkeypatch, caplog
+):
+    folder = save_tiny_model(tmp_path / "m")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(threads, "own_cpu_quota", lambda: CpuQuota(1.0, "/q"))
+    loaded = []
+    real = runtime_module.load_model
+    monkeypatch.setattr(runtime_module, "load_model",
+                        lambda spec: loaded.append(spec.num_threads) or real(spec))  # fmt: skip
+    settings = Settings(model=(f"a={folder}", f"b={folder}"), device="cpu")
+    runtime = Runtime(settings, registry=registry)
+    with caplog.at_level("INFO", logger="batchfit"):
+        await runtime.start()
+    try:
+        assert runtime.startup_error is None
+        assert loaded == [1, 1]
+        assert "threads: 1 (OMP_NUM_THREADS)" in caplog.text
+    finally:
+        await runtime.stop()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(threads, "available_cpus", lambda: 8)
+    assert thread_count(None) == ThreadCount(1, QUOTA_SOURCE, "/q")
+    assert thread_count(5) == ThreadCount(5, FLAG)
 
 
 def on_a_thread(fn):
@@ -64,7 +143,7 @@ def test_the_limit_uses_torchs_default_thread_count_whatever_the_servers(tmp_pat
     monkeypatch.setattr(models.loading, "cpu_threads", lambda requested: requested or 1)
 
     def load():
-        load_bench_model(str(folder))
+        load_plain_encoder(str(folder))
         return torch.get_num_threads()
 
     assert on_a_thread(load) == torch_default
@@ -100,9 +179,10 @@ print(min(spun) * 1e3)
 # (a worker descheduled mid-matmul finishes its share during the sleep).
 
 
-@pytest.mark.skipif(available_cpus() < 2, reason="OpenMP's idle workers need 2 CPUs to spin")
 def test_the_server_bounds_openmp_spinning_before_torch_loads():
     """CPU burnt in 50 ms of sleep after parallel work: libgomp's default spins ~9 ms."""
+    if available_cpus() < 2:
+        unavailable("OpenMP's idle workers need 2 CPUs to spin; this process may use one")
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     probe = subprocess.run(
         [sys.executable, "-c", "import server\n" + SPIN_PROBE],

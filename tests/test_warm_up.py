@@ -73,3 +73,22 @@ async def test_memory_settles_before_every_calibration_batch_and_no_served_one(r
         assert len(probe.settled_before) == calibrations
     finally:
         await runtime.stop()
+
+
+async def test_every_model_is_warmed_up_and_shows_its_proven_ceiling(registry):
+    """Each model has its own sizer; one left without a warm-up would have no ceiling and size
+    its batches by the prior alone."""
+    models = {"a": ScriptedModel(max_input_tokens=64), "b": ScriptedModel(max_input_tokens=64)}
+    settings = Settings(model=("a=x", "b=y"), max_batch_size=1024, max_batch_tokens=10**6)
+    runtime = Runtime(settings, registry=registry, models=models, probe=ScriptedProbe(2**20))
+    await runtime.start()
+    try:
+        assert runtime.startup_error is None
+        for name, model in models.items():
+            sizer = runtime.slots[name].sizer
+            assert sizer.proven_bytes is not None and sizer.ceiling_bytes == sizer.proven_bytes
+            assert len(model.batch_sizes) > 1  # the first forward, then its warm-up batches
+            ceiling = registry.get_sample_value("batchfit_batch_ceiling_bytes", {"model": name})
+            assert ceiling == sizer.proven_bytes > 0
+    finally:
+        await runtime.stop()

@@ -36,6 +36,7 @@ def run(planner, budgets, seconds=lambda step: 0.001 * step.num_items * step.len
     steps, elapsed = [], 0.0
     while (step := planner.next_step(budgets(len(steps)), elapsed_s=elapsed)) is not None:
         steps.append(step)
+        assert len(steps) < 100, f"warm-up never ends: {shapes(steps[-5:])}"
         if (step.num_items, step.length) in oom:
             planner.ran_out_of_memory(step)
             continue
@@ -89,16 +90,42 @@ def test_the_default_bound_is_twenty_first_batches_and_at_least_ten_seconds():
 
 
 def test_the_budget_read_before_each_step_sets_its_size_and_stops_what_cannot_fit():
-    """1 KiB per token; 6 MiB: 1 x 8192 fits (8 MiB does not), 1 x 32768 does not."""
+    """1 KiB per token; 6 MiB: 3 x 2048 fits, 1 x 8192 (8 MiB) does not. The stop still
+    runs one input alone at the longest proven length: a lone input's line is measured."""
     planner = WarmUpPlanner(max_length=32768, max_items=128, timeout_s=10**6)
     steps = run(planner, lambda _: budget(6 * MiB, max_tokens=10**6))
     assert shapes(steps)[:3] == [(32, 32, "scout"), (128, 32, "batch"), (48, 128, "batch")]
-    assert steps[-1] == CalibrationStep(3, 2048)
+    assert shapes(steps)[-2:] == [(3, 2048, "batch"), (1, 2048, "alone")]
     assert planner.proven_length == 2048
     assert (
         planner.stopped
         == "one input of 8192 tokens is predicted to need 8 MiB, more than the 6 MiB budget"
     )
+
+
+@pytest.mark.parametrize(
+    ("bound_s", "expected"),
+    [
+        # 128 x 128 may take 16 x 4.1s, past 30s; one alone at 32 (at most 4.1s) still fits.
+        (30, [(32, 32, "scout"), (128, 32, "batch"), (1, 32, "alone")]),
+        # 5.1s spent: not even that one fits within 8s.
+        (8, [(32, 32, "scout"), (128, 32, "batch")]),
+    ],
+)
+def test_a_stop_on_the_time_bound_runs_one_input_alone_only_within_the_bound(bound_s, expected):
+    planner = WarmUpPlanner(max_length=2048, max_items=128, timeout_s=bound_s)
+    steps = run(planner, lambda _: budget(max_tokens=10**6))
+    assert shapes(steps) == expected
+    assert planner.proven_length == 32
+    assert "past the" in planner.stopped and "128 x 128 tokens" in planner.stopped
+
+
+def test_one_input_alone_that_runs_out_of_memory_after_a_stop_ends_warm_up():
+    planner = WarmUpPlanner(max_length=32768, max_items=128, timeout_s=10**6)
+    steps = run(planner, lambda _: budget(6 * MiB, max_tokens=10**6), oom={(1, 2048)})
+    assert shapes(steps)[-2:] == [(3, 2048, "batch"), (1, 2048, "alone")]
+    assert planner.proven_length == 2048
+    assert planner.stopped == "one input of 2048 tokens ran out of memory"
 
 
 def test_where_the_limit_kills_a_quarter_batch_scouts_each_length_memory_sets():

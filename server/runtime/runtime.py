@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
 from .slot import ModelSlot, by_name, make_sizer, make_slots, prepare_call
+from .threads import thread_count
 from .trace import RequestTrace
 from .tracking import WorkTracker
 
@@ -154,12 +156,15 @@ class Runtime:
 
     async def _start(self) -> None:
         started = time.perf_counter()
+        threads = thread_count(self.settings.num_threads)
         for slot in self._slots:
             self.phase = f"loading model {slot.given_name or slot.spec.model}"
-            await self._load(slot)
+            await self._load(slot, threads.num_threads)
         self.phase = "starting the model thread"
         self.slots = by_name(self._slots)
         info = self._slots[0].info  # every model shares the device
+        if info.device == "cpu":
+            log.info("%s", threads.describe())
         if self.probe is None:
             self.probe = probes_for_device(
                 info.device, memory_limit_bytes=self.settings.memory_limit
@@ -197,6 +202,7 @@ class Runtime:
             self._warming = None
             if report.proven_length is not None:
                 self.memory_metrics.for_model(slot.name).proven_length.set(report.proven_length)
+        self.batcher.record_ceilings()
         self.phase = "starting the batcher"
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
@@ -210,10 +216,11 @@ class Runtime:
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
 
-    async def _load(self, slot: ModelSlot) -> None:
+    async def _load(self, slot: ModelSlot, num_threads: int) -> None:
         started = time.perf_counter()
         if slot.model is None:
-            slot.model = await self.model_thread.call(load_model, slot.spec)
+            spec = replace(slot.spec, num_threads=num_threads)
+            slot.model = await self.model_thread.call(load_model, spec)
         info = slot.model.info
         log.info(
             "model %s loaded: task=%s device=%s dtype=%s parameters=%d max_input_tokens=%d (%.1fs)",
@@ -266,14 +273,19 @@ class Runtime:
             self.memory_metrics.host_last_release.set_to_current_time()
 
     def _batcher_done(self, task: asyncio.Task[None]) -> None:
-        """The batcher only ends on its own by crashing. Policy: its requests got 500, the
-        replica turns not ready and the process exits non-zero (``on_fatal``) so that the
-        supervisor restarts it; a loop that failed once may fail again, so no in-place retry."""
+        """The batcher only ends on its own by crashing or on a device error. Policy: its
+        requests got 500, the replica turns not ready and the process exits non-zero
+        (``on_fatal``) so that the supervisor (the kubelet, ``batchfit up``) restarts it; a
+        loop that failed once may fail again, and a device that failed cannot be trusted, so
+        no in-place retry."""
         self.metrics.ready.set(0)
         if task.cancelled() or task.exception() is None:
             return
-        self.batcher_error = task.exception()
-        log.error("the batcher crashed; stopping the replica", exc_info=self.batcher_error)
+        self.batcher_error = error = task.exception()
+        if isinstance(error, DeviceError):
+            log.error("device error: %s; stopping the replica for a restart", error)
+        else:
+            log.error("the batcher crashed; stopping the replica", exc_info=error)
         if self._on_fatal is not None:
             self._on_fatal()
 

@@ -21,10 +21,9 @@ from batching import (
     Lane,
     MemoryProbe,
     Sizer,
-    WarmUpPlanner,
+    WarmUp,
     WarmUpReport,
-    prior_peak_model,
-    scouts,
+    prior_for,
     tune_host_allocator,
 )
 from models import BatchProfiler, Model, ModelInfo, ModelOutOfMemory, ModelSpec
@@ -95,19 +94,16 @@ class ModelSlot:
         }
 
     async def warm_up(self, batcher: Batcher) -> WarmUpReport:
-        """Run calibration batches within the memory budget and the time bound
-        (``WarmUpPlanner``), lowering the ceiling after each OOM, so the server never says
-        ready with a budget it cannot run. The adaptive sizer calibrates its memory model on
-        them; the report says the longest length proven."""
+        """Run calibration batches within the memory budget and the time bound (``WarmUp``),
+        lowering the ceiling after each OOM, so the server never says ready with a budget it
+        cannot run. The adaptive sizer calibrates its memory model on them; the report says
+        the longest length proven."""
         assert self.model is not None and self.sizer is not None
         on_host = self.model.info.device == "cpu"
         if on_host:
             tune_host_allocator(measuring=True)
         try:
-            if isinstance(self.sizer, AdaptiveSizer):
-                self.report = await self._calibrate(batcher, self.sizer)
-            else:
-                self.report = await self._run_fixed(batcher)
+            self.report = await self._calibrate(batcher)
         finally:
             if on_host:
                 tune_host_allocator(measuring=False)
@@ -119,26 +115,21 @@ class ModelSlot:
         )  # fmt: skip
         return self.report
 
-    async def _calibrate(self, batcher: Batcher, sizer: AdaptiveSizer) -> WarmUpReport:
-        assert self.model is not None
+    async def _calibrate(self, batcher: Batcher) -> WarmUpReport:
+        assert self.model is not None and self.sizer is not None
         clock = batcher.clock
         started = clock.now()
-        planner = WarmUpPlanner(
-            max_length=self.model.info.max_input_tokens,
+        warm_up = WarmUp(
+            self.sizer,
+            max_input_tokens=self.model.info.max_input_tokens,
             max_items=self.settings.max_batch_size,
             timeout_s=self.settings.warmup_timeout_s,
         )
-        while True:
-            reading = self.probe.read() if self.probe else None
-            # NOTE: past a cgroup's limit (or the host's memory) the kernel kills the
-            # process: no error comes back to lower the ceiling on. Where memory, not a
-            # cap, sets a batch's size, a quarter of it runs first, so the full one is
-            # planned by a model corrected at this length, not by the prior alone.
-            step = planner.next_step(
-                sizer.budget(reading), elapsed_s=clock.now() - started, scout=scouts(reading)
+        while (
+            step := warm_up.next_batch(
+                self.probe.read() if self.probe else None, elapsed_s=clock.now() - started
             )
-            if step is None:
-                break
+        ) is not None:
             # NOTE: left set if warm-up is cancelled here: the log says where it stopped.
             self.step = step
             items = self.model.synthetic_items(step.num_items, step.length)
@@ -146,58 +137,11 @@ class ModelSlot:
                 outcome = await batcher.run_calibration(items, self.name)
             except ModelOutOfMemory:
                 self.step = None
-                sizer.on_oom(step.num_items, step.length)
-                planner.ran_out_of_memory(step)
-                log.info(
-                    "warm-up batch of %d x %d tokens ran out of memory",
-                    step.num_items, step.length,
-                )  # fmt: skip
+                warm_up.out_of_memory()
                 continue
             self.step = None
-            sizer.calibrate(outcome)
-            planner.ran(step, outcome.elapsed_s)
-            log.info(
-                "warm-up batch of %d x %d tokens%s: %.3fs, peak %s", step.num_items,
-                step.length, "" if step.kind == "batch" else f" ({step.kind})",
-                outcome.elapsed_s,
-                f"{outcome.peak_bytes / 2**20:.1f} MiB" if outcome.peak_bytes else "n/a",
-            )  # fmt: skip
-        sizer.finish_warm_up()
-        model, ceiling = sizer.model, sizer.ceiling_bytes
-        log.info(
-            "memory model: %.0f bytes/token + %.1f bytes/token x length (alone: %.0f + %.1f);"
-            " ceiling %s", model.alpha, model.beta, *model.line(1),
-            "none" if ceiling == float("inf") else f"{ceiling / 2**20:.0f} MiB",
-        )  # fmt: skip
-        return planner.report(clock.now() - started)
-
-    async def _run_fixed(self, batcher: Batcher) -> WarmUpReport:
-        """A fixed sizer's warm-up, as other servers do theirs: its largest batch, halved
-        after each OOM."""
-        assert self.model is not None and self.sizer is not None
-        started = batcher.clock.now()
-        max_len = self.model.info.max_input_tokens
-        budget = self.sizer.budget()
-        length = min(max_len, max(2, budget.max_tokens // budget.max_items))
-        num_items, proven = budget.max_items, None
-        while True:
-            items = self.model.synthetic_items(num_items, length)
-            self.step = CalibrationStep(num_items, length)
-            try:
-                outcome = await batcher.run_calibration(items, self.name)
-            except ModelOutOfMemory:
-                self.step = None
-                if num_items == 1:
-                    log.warning("one input of %d tokens does not fit in memory", length)
-                    break
-                log.info("warm-up batch of %d x %d ran out of memory", num_items, length)
-                num_items //= 2
-                continue
-            self.step = None
-            proven = length
-            log.info("warm-up batch of %d x %d tokens: %.3fs", num_items, length, outcome.elapsed_s)
-            break
-        return WarmUpReport(proven, max_len, batcher.clock.now() - started, None)
+            warm_up.ran(outcome)
+        return warm_up.finish(clock.now() - started)
 
 
 def make_slots(
@@ -234,19 +178,7 @@ def by_name(slots: Sequence[ModelSlot]) -> dict[str, ModelSlot]:
 def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
     if settings.sizer == "fixed":
         return FixedSizer(settings.max_batch_size, settings.max_batch_tokens)
-    shape = info.shape
-    prior = prior_peak_model(
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_heads=shape.num_heads,
-        element_bytes=shape.element_bytes,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        attention=shape.attention,
-        sliding_window=shape.sliding_window,
-        gated_mlp=shape.gated_mlp,
-    )
-    return AdaptiveSizer(prior, settings.adaptive_config())
+    return AdaptiveSizer(prior_for(info.shape), settings.adaptive_config())
 
 
 def prepare_call(

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from ..middleware import V2_INFER, RequestRecord
 
-INFERENCE_ENDPOINTS = frozenset({"/v1/infer", "/v1/embeddings", V2_INFER})
+INFERENCE_ENDPOINTS = frozenset({"/v1/infer", "/v1/embeddings", "/v1/rerank", V2_INFER})
 # Cumulative series whose increase over one interval makes a sample's figures.
 _COUNTERS = {
     "batches": ("batchfit_batch_size_count", None),

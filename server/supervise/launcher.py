@@ -27,6 +27,7 @@ from typing import IO
 import httpx
 from pydantic import ValidationError
 
+from ..runtime.threads import host_capacity
 from ..settings import LauncherSettings, Settings
 from .nginx import (
     NginxConfig,
@@ -114,13 +115,15 @@ def passthrough_argv(flags: dict[str, object]) -> list[str]:
     return argv
 
 
-def replica_environment(num_replicas: int) -> dict[str, str]:
+def replica_environment(num_replicas: int, cores: int | None = None) -> dict[str, str]:
     """The launcher's environment, with the CPU cores shared out among the replicas: N replicas
     on one machine each using every core oversubscribe it (measured here: several times slower).
-    An OMP_NUM_THREADS already set wins."""
+    The cores are those the launcher may use, its cgroup's CPU quota included; each replica
+    reads OMP_NUM_THREADS as its thread count. An OMP_NUM_THREADS already set wins."""
     env = dict(os.environ)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (cores or 1) // num_replicas)))
+    if cores is None:
+        cores = host_capacity().num_threads
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // num_replicas)))
     return env
 
 

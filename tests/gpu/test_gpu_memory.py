@@ -23,15 +23,20 @@ from batching import (
     prior_peak_model,
     tune_host_allocator,
 )
+from batching.procfs import Cgroup
+from bench.cgroups import ChildCgroup, make_child_cgroup
 from models import ModelSpec, load_model
 
 pytestmark = pytest.mark.gpu
 
 MIB, GIB = 2**20, 2**30
-PEAK_FACTOR = {"cuda": 2.0, "cpu": 3.0}
+PEAK_FACTOR = {"cuda": 2.0, "cpu": 2.0}
 """The sizer's calibrated prediction of a batch's peak, for shapes warm-up did not run, lies
 within this factor of the measured peak, either way (torch's exact allocator peak on CUDA;
-the resident-set peak on the CPU, which the C allocator blurs)."""
+the resident-set peak on the CPU, which the C allocator blurs). On the CPU three dry runs
+measured 1.667 to 1.677 (predicted over measured) for every held-out shape, so 2 leaves 20% of
+margin. CUDA has no measurement yet: its bound stays at 2 until the check's first GPU run
+records ``*_predicted_over_measured`` (gpu_tests.json) to tighten it to."""
 HEADROOM = 0.15
 
 # A child that holds memory until its stdin closes.
@@ -157,9 +162,11 @@ def free_and_budget(device: str, probe, sizer) -> tuple[int, float]:
 
 
 @contextlib.contextmanager
-def child_holding(size: int, device: str):
+def child_holding(size: int, device: str, cgroup: ChildCgroup | None = None):
+    """A child process holding ``size`` bytes (in ``cgroup`` where one is given)."""
     child = subprocess.Popen([sys.executable, "-c", HOLD, str(size), device],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             preexec_fn=cgroup.join if cgroup else None)  # fmt: skip
     try:
         assert child.stdout.readline().strip() == "held"
         time.sleep(0.3)  # MemAvailable (and the driver) follow the child with a lag
@@ -171,31 +178,59 @@ def child_holding(size: int, device: str):
         time.sleep(0.3)
 
 
+@contextlib.contextmanager
+def shared_container(size: int):
+    """On the CPU: a memory cgroup (a container's, as the replica would share with a sidecar)
+    with room for four times ``size``, whose room the probe reads, so that other work on the
+    host cannot move the reading; None where no cgroup can be made (MemAvailable then)."""
+    try:
+        cgroup = make_child_cgroup("gpu-check-hold")
+    except OSError:
+        yield None
+        return
+    try:
+        cgroup.set_limit(4 * size)
+        yield cgroup
+    finally:
+        cgroup.remove()
+
+
 def test_another_process_holding_memory_shrinks_the_next_budget(device, figures):
     on_cuda = kind(device) == "cuda"
     size = 4 * GIB if on_cuda else GIB
-    probe = (
-        CompositeProbe([TorchCudaProbe(device), NvmlProbe(device_index(device))])
-        if on_cuda
-        else CompositeProbe([HostProbe()])
-    )
-    prior = prior_peak_model(hidden_size=384, intermediate_size=1536, num_heads=12,
-                             element_bytes=2)  # fmt: skip
-    sizer = AdaptiveSizer(prior, AdaptiveConfig(8, 4096, headroom_fraction=HEADROOM))
-    # On CUDA the child's own context costs a few hundred MiB more; on the CPU other work on
-    # the host moves MemAvailable too, hence the slack and up to three tries.
-    low, high = (size, size + GIB) if on_cuda else (0.3 * size, 1.7 * size)
-    for _attempt in range(3):
-        free_before, budget_before = free_and_budget(device, probe, sizer)
-        with child_holding(size, device):
-            free_held, budget_held = free_and_budget(device, probe, sizer)
-        free_after, budget_after = free_and_budget(device, probe, sizer)
-        drop, regained = free_before - free_held, free_after - free_held
-        if low <= drop <= high and low <= regained <= high:
-            break
+    with contextlib.ExitStack() as stack:
+        container = None if on_cuda else stack.enter_context(shared_container(size))
+        if on_cuda:
+            probe = CompositeProbe([TorchCudaProbe(device), NvmlProbe(device_index(device))])
+        elif container is not None:
+            cgroup = Cgroup(container.version, ((container.path, str(container.directory)),))
+            probe = CompositeProbe([HostProbe(cgroup=cgroup)])
+        else:
+            probe = CompositeProbe([HostProbe()])
+        prior = prior_peak_model(hidden_size=384, intermediate_size=1536, num_heads=12,
+                                 element_bytes=2)  # fmt: skip
+        sizer = AdaptiveSizer(prior, AdaptiveConfig(8, 4096, headroom_fraction=HEADROOM))
+        # On CUDA the child's own context costs a few hundred MiB more; in the cgroup the
+        # child's interpreter a few tens. MemAvailable moves with other work on the host too,
+        # hence its slack and up to three tries.
+        reading = "device" if on_cuda else "cgroup" if container else "MemAvailable"
+        if on_cuda:
+            low, high = size, size + GIB
+        elif container is not None:
+            low, high = size, size + 256 * MIB
+        else:
+            low, high = 0.3 * size, 1.7 * size
+        for _attempt in range(3):
+            free_before, budget_before = free_and_budget(device, probe, sizer)
+            with child_holding(size, device, container):
+                free_held, budget_held = free_and_budget(device, probe, sizer)
+            free_after, budget_after = free_and_budget(device, probe, sizer)
+            drop, regained = free_before - free_held, free_after - free_held
+            if low <= drop <= high and low <= regained <= high:
+                break
     figures.update(held_gib=size / GIB, free_drop_gib=drop / GIB, regained_gib=regained / GIB,
                    budget_before_gib=budget_before / GIB, budget_held_gib=budget_held / GIB,
-                   budget_after_gib=budget_after / GIB)  # fmt: skip
+                   budget_after_gib=budget_after / GIB, reading=reading)  # fmt: skip
     assert low <= drop <= high
     assert budget_before - budget_held >= (1 - HEADROOM) * low
     assert low <= regained <= high

@@ -15,12 +15,11 @@ from bench.servers import stop_process
 from tests.dashboards import all_panel_queries
 from tests.fakes import HOLD_LOAD_ENV
 from tests.prometheus import SHIPPED_CONFIG, require, run_prometheus
-from tests.servers import ROOT, free_port, run_server
+from tests.servers import ROOT, free_port, run_server, when_queue_full
 
 pytestmark = pytest.mark.integration
 
-QUEUE_ITEMS = 16
-MAX_INPUTS = 32
+QUEUE_ITEMS = MAX_INPUTS = 16
 SENTENCE = "the quick brown fox jumps over the lazy dog while batching saves compute"
 WORDS = SENTENCE.split(" ")
 # What one wave of bad requests must produce: (status, error_type) for each.
@@ -28,7 +27,6 @@ BAD_REQUESTS = [
     ({"inputs": []}, 400, "empty_input"),
     ({"inputs": "x", "input": "typo"}, 422, "invalid_request"),
     ({"inputs": ["x"] * (MAX_INPUTS + 1)}, 413, "too_many_inputs"),
-    ({"inputs": ["x"] * (QUEUE_ITEMS + 1)}, 429, "overloaded"),  # more than the queue holds
     ({"inputs": WORDS, "timeout_s": 0.001}, 504, "deadline_exceeded"),
 ]
 SCRAPES_TIMEOUT_S = 90
@@ -92,10 +90,11 @@ def test_real_scrape_passes_promtool_check_metrics(replica):
     assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout
 
 
-async def drive_traffic(url: str) -> dict[int, int]:
-    """Mixed-length successes at a concurrency that makes batches, then one of each error."""
+async def drive_traffic(replica) -> dict[int, int]:
+    """Mixed-length successes at a concurrency that makes batches, then one of each error,
+    and a 429 while the queue holds work."""
     codes: dict[int, int] = {}
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=replica.url, timeout=60) as client:
         semaphore = asyncio.Semaphore(4)  # at most 12 items: never a 429
 
         async def send(body):
@@ -111,6 +110,13 @@ async def drive_traffic(url: str) -> dict[int, int]:
         for body, status, error_type in BAD_REQUESTS:
             response = await send(body)
             assert (response.status_code, response.json()["error_type"]) == (status, error_type)
+    full = await asyncio.to_thread(
+        when_queue_full, replica.url, QUEUE_ITEMS,
+        lambda: httpx.post(f"{replica.url}/v1/infer", json={"inputs": ["x"] * QUEUE_ITEMS}),
+        lambda r: r.status_code, metrics_url=f"{replica.metrics_url}/metrics",
+    )  # fmt: skip
+    assert full.json()["error_type"] == "overloaded"
+    codes[429] = 1
     return codes
 
 
@@ -136,14 +142,15 @@ def test_every_dashboard_expression_returns_data_from_a_real_prometheus(replica,
     with run_prometheus(tmp_path, [target], scrape_interval_s=1) as prometheus:
         # Wave one creates every labelled series; wave two, once Prometheus has scraped them,
         # makes their rates non-zero.
-        asyncio.run(drive_traffic(replica.url))
+        asyncio.run(drive_traffic(replica))
         wait_for(
             prometheus,
             lambda: prometheus.query('batchfit_requests_total{code="504"}')["data"]["result"],
             "the first wave",
         )
-        codes = asyncio.run(drive_traffic(replica.url))
+        codes = asyncio.run(drive_traffic(replica))
         assert codes[200] == 24 and all(codes[s] == 1 for _, s, _ in BAD_REQUESTS)
+        assert codes[429] == 1
 
         def second_wave_scraped():
             answer = prometheus.query('sum(batchfit_requests_total{code="504"})')

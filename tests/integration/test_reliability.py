@@ -11,9 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.fakes import BREAK_THE_LOOP
+from tests.fakes import BREAK_THE_LOOP, DEVICE_FAULT
 from tests.rawhttp import read_response, send_request
-from tests.servers import run_server, wait_ready
+from tests.servers import queue_depth, run_server, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -190,3 +190,43 @@ def test_a_crashed_batcher_loop_exits_1_with_a_traceback(tmp_path):
     assert "the batcher crashed; stopping the replica" in log
     assert "Traceback (most recent call last)" in log
     assert "TypeError" in log
+
+
+def test_a_device_error_fails_what_the_replica_holds_and_exits_1(tmp_path):
+    """Not ready is not enough: /health/live would keep answering, so neither the kubelet nor
+    ``batchfit up`` would ever restart a replica whose device failed."""
+    folder = tmp_path / "fault"
+    folder.mkdir()
+    with (
+        run_server(
+            tmp_path, "--model", "python:tests.fakes:faulty_device_model", "--sizer", "fixed",
+            ready_timeout_s=60, env={"BATCHFIT_TEST_FAULT_DIR": str(folder)},
+        ) as server,
+        ThreadPoolExecutor(4) as pool,
+    ):  # fmt: skip
+        assert httpx.post(f"{server.url}/v1/infer", json={"inputs": "fine"}).status_code == 200
+
+        def infer(inputs):
+            return httpx.post(f"{server.url}/v1/infer", json={"inputs": inputs}, timeout=60)
+
+        fault = pool.submit(infer, DEVICE_FAULT)
+        deadline = time.monotonic() + 30
+        while not (folder / "entered").exists():  # the faulty batch is on the device
+            assert time.monotonic() < deadline and not fault.done()
+            time.sleep(0.01)
+        queued = [pool.submit(infer, [f"queued {i}", "x"]) for i in range(3)]
+        while queue_depth(f"{server.url}/metrics") < 6:  # all three wait behind it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        (folder / "release").touch()
+        answers = [fault.result(), *(f.result() for f in queued)]
+        assert server.process.wait(30) == 1
+    for answer in answers:
+        assert answer.status_code == 500, answer.text
+        assert answer.json()["error"] == "the device failed; this replica is stopping"
+    log = server.log()
+    assert (
+        "device error: CUDA error: an illegal memory access was encountered; stopping the "
+        "replica for a restart" in log
+    )
+    assert "Traceback" not in log

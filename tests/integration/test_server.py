@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import httpx
@@ -12,12 +13,20 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from models.loading import BUNDLED_MODEL, resolve_model_path
-from tests.servers import run_server
+from tests.rawhttp import (
+    CountingReader,
+    data_segments_received,
+    get,
+    read_response,
+    send_request,
+)
+from tests.servers import run_server, when_queue_full
 
 pytestmark = pytest.mark.integration
 
 # The label of the bundled model's series (batching metrics are per model).
 MODEL = f'model="{BUNDLED_MODEL}"'
+QUEUE_ITEMS = 64
 
 SENTENCES = [
     "The cat sits on the mat.",
@@ -52,7 +61,8 @@ def reference():
 def server(tmp_path_factory):
     with run_server(
         tmp_path_factory.mktemp("server"),
-        "--max-queue-items", "64", "--max-inputs-per-request", "100", "--max-wait-ms", "5",
+        "--max-queue-items", str(QUEUE_ITEMS), "--max-inputs-per-request", str(QUEUE_ITEMS),
+        "--max-wait-ms", "5",
     ) as server:  # fmt: skip
         yield server
 
@@ -137,9 +147,8 @@ def test_concurrent_requests_are_batched_and_answered_in_order(server, reference
         ({"inputs": [""]}, 400, "empty_input"),
         ({"inputs": [1]}, 422, "invalid_request"),
         ({"inputs": "a", "typo": True}, 422, "invalid_request"),
-        ({"inputs": ["a"] * 101}, 413, "too_many_inputs"),
+        ({"inputs": ["a"] * (QUEUE_ITEMS + 1)}, 413, "too_many_inputs"),
         ({"inputs": "word " * 400, "truncate": False}, 413, "input_too_long"),
-        ({"inputs": ["a"] * 65}, 429, "overloaded"),
         ({"inputs": "a", "timeout_s": 1e-9}, 504, "deadline_exceeded"),
     ],
 )
@@ -150,8 +159,19 @@ def test_error_cases(server, body, status, error_type):
     assert payload["error_type"] == error_type
     assert payload["request_id"] == response.headers["x-request-id"]
     assert "Traceback" not in payload["error"]
-    if status == 429:
-        assert int(response.headers["retry-after"]) >= 1
+
+
+def test_a_full_queue_is_429_with_retry_after(server):
+    def send():
+        return httpx.post(
+            f"{server.url}/v1/infer", json={"inputs": ["a"] * QUEUE_ITEMS}, timeout=30
+        )
+
+    response = when_queue_full(server.url, QUEUE_ITEMS, send, lambda r: r.status_code)
+    payload = response.json()
+    assert payload["error_type"] == "overloaded" and "queue is full" in payload["error"]
+    assert payload["request_id"] == response.headers["x-request-id"]
+    assert int(response.headers["retry-after"]) >= 1
 
 
 def test_unparsable_and_oversized_bodies(server):
@@ -188,3 +208,34 @@ def test_models_and_metrics_endpoints(server):
                  "batchfit_queue_depth", "batchfit_batch_size_bucket"):  # fmt: skip
         assert name in scrape
     assert httpx.get(f"{server.url}/health/live").json() == {"status": "live"}
+
+
+@pytest.mark.parametrize(
+    ("send", "status"),
+    [
+        (lambda port: send_request(port, json.dumps({"inputs": ["one", "two words"]}).encode()),
+         200),
+        (lambda port: send_request(port, json.dumps({"inputs": []}).encode()), 400),
+        (lambda port: send_request(port, content_length=False,  # the middleware's own 413
+                                   headers={"Content-Length": str(3 * 2**20)}), 413),
+        (lambda port: get(port, "/v1/models"), 200),
+        (lambda port: get(port, "/health/ready"), 200),
+    ],
+)  # fmt: skip
+def test_every_response_leaves_the_server_in_one_write(server, send, status):
+    """Head and body in one send(), counted by the kernel as the TCP segments that carried
+    data to this client: a replica that dies between two writes leaves Nginx a head without
+    its body, which it cannot retry elsewhere."""
+    sock = send(server.port)
+    reader = CountingReader(sock)
+    try:
+        answer_status, headers, body = read_response(reader)  # type: ignore[arg-type]
+        segments, received = data_segments_received(sock)
+    finally:
+        sock.close()
+    assert answer_status == status
+    assert len(body) == int(headers["content-length"]) > 0
+    # The kernel counted this answer (and a FIN's sequence number, where the server closed).
+    assert reader.num_bytes <= received <= reader.num_bytes + 1
+    assert reader.num_bytes > len(body)
+    assert segments == 1, f"the answer came in {segments} segments"

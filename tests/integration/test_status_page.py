@@ -192,11 +192,23 @@ def test_api_docs_render_offline_in_the_browser(server, tmp_path):
     assert urls and all(_same_origin(u, server.port) for u in urls), urls
 
 
+def batch_counts(server) -> tuple[float, float]:
+    """Batches run and the items they held so far, from the batcher's own histogram."""
+    scrape = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
+    found = [
+        float(re.search(rf"^batchfit_batch_size_{part}\{{.*?\}} (\S+)$", scrape, re.M).group(1))
+        for part in ("count", "sum")
+    ]
+    return found[0], found[1]
+
+
 def test_access_log_has_one_json_line_per_request_and_no_text(server):
     with httpx.Client(timeout=30, headers=AUTH) as client:
+        before = batch_counts(server)  # the replica is idle: only this request runs now
         response = client.post(
             f"{server.url}/v1/infer", json={"inputs": TEXTS}, headers={"X-Request-ID": "acc-1"}
         )
+        after = batch_counts(server)
     assert response.status_code == 200
     log = server.log()
     assert SECRET not in log
@@ -208,5 +220,7 @@ def test_access_log_has_one_json_line_per_request_and_no_text(server):
         entry["inputs"] == len(TEXTS)
         and entry["tokens"] == response.json()["usage"]["input_tokens"]
     )
-    assert sum(entry["batch_sizes"]) >= len(TEXTS) or len(entry["batch_sizes"]) >= 1
+    # Each batch that answered it, as the batcher counted them: alone, its inputs only.
+    assert len(entry["batch_sizes"]) == after[0] - before[0] >= 1
+    assert sum(entry["batch_sizes"]) == after[1] - before[1] == len(TEXTS)
     assert 0 <= entry["queue_wait_s"] <= entry["duration_s"]

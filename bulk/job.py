@@ -1,0 +1,437 @@
+"""A bulk job: every input row through the model, into Parquet parts, resumably.
+
+The calling thread loads the model and runs every forward pass (the model thread); a reader
+thread reads and tokenizes the next part meanwhile, and a writer thread writes the last one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batching import limit_address_space
+from models import (
+    BUNDLED_MODEL,
+    Item,
+    Model,
+    ModelInfo,
+    ModelSpec,
+    load_model,
+    resolve_prompt,
+    top_labels,
+    truncate_dimensions,
+)
+from models.custom import is_entry_point
+from models.loading import resolve_model_path
+
+from .manifest import Manifest
+from .pipeline import END, PartInput, PartOutput, PartReader, PartWriter, Worker
+from .progress import Progress, describe_budget, duration, size
+from .readers import Fields, Reject, Row, check_fields, count_rows, expand_inputs
+from .readers import read_rows as read_input_rows
+from .runner import OutOfMemoryInput, Reserve, Runner, build_runner
+from .writer import output_schema, output_table
+
+log = logging.getLogger("batchfit.bulk")
+
+TASKS = ("embed", "classify", "rerank")
+COMMAND_OF_TASK = {"embed": "embed", "classify": "classify", "rerank": "rerank"}
+
+
+class JobError(Exception):
+    """The job cannot run as asked (a wrong model for the task, a bad option)."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    inputs: tuple[str, ...]
+    out: str
+    task: str = "embed"
+    model: str = BUNDLED_MODEL
+    dtype: str = "auto"
+    device: str = "auto"
+    quantize: str = "none"
+    num_threads: int | None = None
+    max_input_tokens: int | None = None
+    prompt_name: str | None = None
+    dimensions: int | None = None
+    text_field: str = "text"
+    id_field: str | None = None
+    query_field: str = "query"
+    """Reranking only: the field holding each row's query (``text_field`` is its document)."""
+    input_format: str | None = None
+    part_rows: int = 10_000
+    max_batch_size: int = 128
+    max_batch_tokens: int = 4096
+    memory_headroom: float = 0.15
+    memory_limit: int | None = None
+    strict: bool = False
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise JobError(f"unknown task {self.task!r}; expected one of {', '.join(TASKS)}")
+        if self.part_rows < 1:
+            raise JobError(f"--part-rows must be at least 1, got {self.part_rows}")
+        if self.dimensions is not None and self.task != "embed":
+            raise JobError("--dimensions applies to embeddings only")
+
+    def fields(self) -> Fields:
+        query = self.query_field if self.task == "rerank" else None
+        return Fields(text=self.text_field, id=self.id_field, query=query)
+
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec(
+            model=self.model, device=self.device, dtype=self.dtype, quantize=self.quantize,
+            max_input_tokens=self.max_input_tokens, num_threads=self.num_threads,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class JobSummary:
+    out: str
+    rows: int
+    outputs: int
+    rejects: int
+    memory_rejects: int
+    elapsed_s: float
+    compute_s: float
+    computed: int
+    tokens: int
+    peak_bytes: int
+    oom_splits: int
+    parts_written: int
+    parts_skipped: int
+
+    def describe(self) -> str:
+        rate = self.computed / self.compute_s if self.compute_s > 0 else 0.0
+        tokens = self.tokens / self.compute_s if self.compute_s > 0 else 0.0
+        return (
+            f"done: {self.rows:,} inputs in {duration(self.elapsed_s)} ({self.computed:,} run "
+            f"at {rate:,.1f} inputs/s, {tokens:,.0f} tokens/s): {self.outputs:,} outputs, "
+            f"{self.rejects:,} rejected ({self.memory_rejects:,} for memory); peak memory "
+            f"{size(self.peak_bytes)}; {self.oom_splits} OOM splits; parts: "
+            f"{self.parts_written} written, {self.parts_skipped} skipped, in {self.out}"
+        )
+
+
+def run_job(
+    spec: JobSpec, *, model: Model | None = None, progress: Progress | None = None
+) -> JobSummary:
+    """Run ``spec`` to the end (or resume it); ``model`` replaces loading ``spec.model``."""
+    started = time.perf_counter()
+    progress = progress or Progress()
+    files = expand_inputs(spec.inputs, spec.input_format)
+    fields = spec.fields()
+    check_fields(files, fields)
+    counter = Worker("batchfit-count", lambda: progress.set_total(count_rows(files)))
+    counter.start()
+    if model is None:
+        model = load_model(spec.model_spec())
+    info = model.info
+    check_task(model, spec.task)
+    dimensions = output_dimensions(model, spec)
+    prompt = resolve_prompt(info, spec.prompt_name, None)
+    identity = job_identity(spec, model, dimensions, prompt)
+    inputs = [dataclasses.asdict(f) for f in files]
+    manifest = Manifest.open(Path(spec.out), identity, inputs, overwrite=spec.overwrite)
+    stop, go = threading.Event(), threading.Event()
+    try:
+        if manifest.parts:
+            log.info("resuming: %d parts finished earlier are skipped", len(manifest.parts))
+        reserve = Reserve()
+        # Its first pass starts torch's threads: every thread before a memory limit applies.
+        runner = build_runner(
+            model, max_items=spec.max_batch_size, max_tokens=spec.max_batch_tokens,
+            headroom=spec.memory_headroom, memory_limit=spec.memory_limit, reserve=reserve,
+        )  # fmt: skip
+        reader = PartReader(
+            read_input_rows(files, fields), part_rows=spec.part_rows, manifest=manifest,
+            prepare=lambda rows: prepare(model, rows, prompt), strict=spec.strict,
+            reserve=reserve,
+            stop=stop,
+        )  # fmt: skip
+        reader_thread = Worker("batchfit-read", lambda: go.wait() and reader.run())
+        schema = output_schema(spec.task, "int64", dimensions)  # the id type is set per part
+        writer = PartWriter(
+            manifest,
+            lambda out: output_table(
+                _with_id(schema, out), out.ids, finish_outputs(info, out.outputs, dimensions)
+            ),
+            reserve,
+        )
+        writer_thread = Worker("batchfit-write", writer.run)
+        reader_thread.start()
+        writer_thread.start()
+        if spec.memory_limit is not None and info.device == "cpu":
+            _limit_host_memory(runner.probe, spec.memory_limit)
+        _log_memory_limit(runner)
+        log.info("warming up: the largest batches the memory budget allows")
+        runner.warm_up()
+        go.set()
+        try:
+            skipped, compute_s, memory_rejects = _run_parts(
+                reader, reader_thread, writer, writer_thread, runner, progress
+            )
+        finally:
+            # The parts already computed are written, even when the loop failed (Ctrl-C, a
+            # crash): only a kill loses them.
+            _finish_writing(writer, writer_thread)
+        _raise_from(writer_thread)
+        counter.join()
+        rows = manifest.parts[-1].first_row + manifest.parts[-1].rows if manifest.parts else 0
+        manifest.finish(rows)
+    finally:
+        stop.set()
+        go.set()  # a reader still waiting to start sees the stop and ends
+        progress.close()
+        manifest.close()
+    stats = runner.stats
+    return JobSummary(
+        out=spec.out, rows=rows, outputs=sum(p.outputs for p in manifest.parts),
+        rejects=sum(p.rejects for p in manifest.parts), memory_rejects=memory_rejects,
+        elapsed_s=time.perf_counter() - started, compute_s=compute_s, computed=stats.inputs,
+        tokens=stats.tokens, peak_bytes=stats.peak_bytes, oom_splits=stats.oom_splits,
+        parts_written=writer.written, parts_skipped=skipped,
+    )  # fmt: skip
+
+
+def _run_parts(
+    reader: PartReader,
+    reader_thread: Worker,
+    writer: PartWriter,
+    writer_thread: Worker,
+    runner: Runner,
+    progress: Progress,
+) -> tuple[int, float, int]:
+    """The model loop: each part from the reader through the runner to the writer. Returns
+    the parts skipped, the seconds spent computing and the inputs rejected for memory."""
+    skipped = memory_rejects = 0
+    compute_s = 0.0
+    progress.start_computing()
+    while True:
+        part = _next_part(reader, reader_thread, writer_thread)
+        if part is END:
+            break
+        last = part.first_row + part.num_rows - 1
+        if part.items is None:
+            skipped += 1
+            log.info("part %d (rows %d-%d) skipped: finished earlier", part.index,
+                     part.first_row, last)  # fmt: skip
+            progress.rows(part.num_rows)
+            continue
+        progress.rows(len(part.rejects))
+        started = time.perf_counter()
+        outputs = runner.run(
+            part.items, lambda n, tokens: progress.batch(n, tokens, runner.stats.budget)
+        )
+        elapsed = time.perf_counter() - started
+        compute_s += elapsed
+        reader.release()
+        output = _part_output(part, outputs)
+        memory_rejects += len(output.rejects) - len(part.rejects)
+        log.info(
+            "part %d (rows %d-%d): %d inputs in %.1fs (%.1f inputs/s), budget %s",
+            part.index, part.first_row, last, len(part.items), elapsed,
+            len(part.items) / elapsed if elapsed > 0 else 0.0,
+            describe_budget(runner.stats.budget),
+        )  # fmt: skip
+        _put(writer, writer_thread, output)
+    return skipped, compute_s, memory_rejects
+
+
+def _next_part(reader: PartReader, reader_thread: Worker, writer_thread: Worker) -> Any:
+    while True:
+        _raise_from(writer_thread)
+        try:
+            part = reader.parts.get(timeout=0.5)
+        except queue.Empty:
+            _raise_from(reader_thread)
+            continue
+        if part is END:
+            _raise_from(reader_thread)
+        return part
+
+
+def _put(writer: PartWriter, writer_thread: Worker, output: PartOutput) -> None:
+    while True:
+        _raise_from(writer_thread)
+        try:
+            writer.parts.put(output, timeout=0.5)
+            return
+        except queue.Full:
+            continue
+
+
+def _finish_writing(writer: PartWriter, writer_thread: Worker) -> None:
+    while writer_thread.is_alive():
+        try:
+            writer.parts.put(END, timeout=0.5)
+            break
+        except queue.Full:
+            continue
+    writer_thread.join()
+
+
+def _raise_from(worker: Worker) -> None:
+    if worker.error is not None:
+        raise worker.error
+
+
+def _part_output(part: PartInput, outputs: list[Any]) -> PartOutput:
+    ids, kept, rejects = [], [], list(part.rejects)
+    for row, output in zip(part.rows, outputs, strict=True):
+        if isinstance(output, OutOfMemoryInput):
+            rejects.append(Reject(row.number, row.file, row.line, output.reason))
+        else:
+            ids.append(row.id)
+            kept.append(output)
+    rejects.sort(key=lambda r: r.number)
+    return PartOutput(part, ids, kept, rejects)
+
+
+def _with_id(schema: Any, output: PartOutput) -> Any:
+    import pyarrow as pa
+
+    if output.part.id_type == "string":
+        return schema.set(0, pa.field("id", pa.string(), nullable=False))
+    return schema
+
+
+def prepare(model: Model, rows: Sequence[Row], prompt: str | None = None) -> list[Item]:
+    """Tokenize rows as the server does (truncating at the model's limit, ``prompt`` before
+    each text, or before each query for pairs); pairs grouped by consecutive rows that share
+    a query."""
+    if rows and rows[0].query is not None:
+        items: list[Item] = []
+        start = 0
+        while start < len(rows):
+            end = start
+            while end < len(rows) and rows[end].query == rows[start].query:
+                end += 1
+            documents = [row.text for row in rows[start:end]]
+            items += _prepare_pairs(model, rows[start].query or "", documents, prompt)
+            start = end
+        return items
+    texts = [row.text for row in rows]
+    if prompt and "prompt" in inspect.signature(model.prepare).parameters:
+        return model.prepare(texts, truncate=True, prompt=prompt)  # type: ignore[call-arg]
+    return model.prepare([prompt + t for t in texts] if prompt else texts, truncate=True)
+
+
+def _prepare_pairs(
+    model: Model, query: str, documents: list[str], prompt: str | None
+) -> list[Item]:
+    pairs = model.prepare_pairs  # type: ignore[attr-defined]
+    if prompt and "prompt" in inspect.signature(pairs).parameters:
+        return pairs(query, documents, truncate=True, prompt=prompt)
+    return pairs(prompt + query if prompt else query, documents, truncate=True)
+
+
+def finish_outputs(info: ModelInfo, outputs: list[Any], dimensions: int | None) -> list[Any]:
+    """As the server answers: a classifier's best label, embeddings cut to ``dimensions``
+    (renormalised where the model normalises)."""
+    if info.task == "classify":
+        return [top_labels(output, None) for output in outputs]
+    if dimensions is not None and dimensions != info.output_dim:
+        return [truncate_dimensions(o, dimensions, bool(info.normalize)) for o in outputs]
+    return outputs
+
+
+def check_task(model: Model, task: str) -> None:
+    found = model.info.task
+    if found != task:
+        raise JobError(
+            f"model {model.info.name!r} is a {found} model; use batchfit {COMMAND_OF_TASK[found]}"
+            if found in COMMAND_OF_TASK
+            else f"model {model.info.name!r} does {found}, not {task}"
+        )
+    if task == "rerank" and not hasattr(model, "prepare_pairs"):
+        raise JobError(f"model {model.info.name!r} is a reranker but cannot encode pairs")
+
+
+def output_dimensions(model: Model, spec: JobSpec) -> int | None:
+    if spec.task != "embed":
+        return None
+    full = model.info.output_dim
+    if full is None:
+        raise JobError(f"model {model.info.name!r} does not say the size of its embeddings")
+    if spec.dimensions is None:
+        return full
+    if not 1 <= spec.dimensions <= full:
+        raise JobError(
+            f"--dimensions must be from 1 to {full} (the size of {model.info.name!r}'s "
+            f"embeddings), got {spec.dimensions}"
+        )
+    return spec.dimensions
+
+
+def job_identity(
+    spec: JobSpec, model: Model, dimensions: int | None, prompt: str | None
+) -> dict[str, Any]:
+    """Everything that changes what the parts hold; a rerun must match it to resume."""
+    info = model.info
+    return {
+        "task": spec.task,
+        "model": info.name,
+        "model_sha256": model_fingerprint(spec.model),
+        "dtype": info.dtype,
+        "device": info.device.partition(":")[0],
+        "quantize": info.quantize,
+        "max_input_tokens": info.max_input_tokens,
+        "prompt": prompt,
+        "dimensions": dimensions,
+        "fields": dataclasses.asdict(spec.fields()),
+        "part_rows": spec.part_rows,
+    }
+
+
+def model_fingerprint(source: str) -> str:
+    """A hash of every file of a model folder (names, sizes and contents); a hub name or a
+    custom entry point stands for itself."""
+    if is_entry_point(source):
+        return hashlib.sha256(source.encode()).hexdigest()
+    path = Path(resolve_model_path(source))
+    if not path.is_dir():
+        return hashlib.sha256(f"hub:{source}".encode()).hexdigest()
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p, path)):
+        digest.update(f"{file.relative_to(path)}\0{file.stat().st_size}\0".encode())
+        with open(file, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
+
+
+def _hidden(file: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in file.relative_to(root).parts)
+
+
+def _log_memory_limit(runner: Runner) -> None:
+    """Say which limit binds before the first batch: warm-up runs under it too."""
+    reading = runner.read()
+    if reading is None or reading.limit is None:
+        log.info("memory limit: none read (no memory probe)")
+        return
+    log.info(
+        "memory limit: %s, %d MiB free under it",
+        reading.limit.describe(), (reading.free_bytes or 0) >> 20,
+    )  # fmt: skip
+
+
+def _limit_host_memory(probe: Any, limit_bytes: int) -> None:
+    resident = probe.read().used_bytes or 0
+    if resident >= limit_bytes:
+        raise JobError(
+            f"--memory-limit ({size(limit_bytes)}) is below what the loaded model already uses "
+            f"({size(resident)})"
+        )
+    limit_address_space(limit_bytes - resident)

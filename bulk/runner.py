@@ -1,0 +1,315 @@
+"""The model loop of a bulk job: warm-up, then each window's batches, on the calling thread.
+
+Not the server's ``Batcher``: that one serves a queue of requests that arrive over time
+(deadlines, priorities, futures, the oldest item first). A bulk job knows a whole window in
+advance, so it plans every batch of the window at once (``plan_window``) and runs them in
+turn, with the server's sizer, memory probe, warm-up and OOM split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batching import (
+    AdaptiveConfig,
+    AdaptiveSizer,
+    BatchBudget,
+    BatchOutcome,
+    MemoryProbe,
+    MemoryReading,
+    WarmUp,
+    WarmUpReport,
+    measured_forward,
+    prior_for,
+    probes_for_device,
+    refused_alone,
+    split,
+    tune_host_allocator,
+)
+from models import Item, Model, ModelOutOfMemory
+
+from .plan import plan_window, time_prior
+
+log = logging.getLogger("batchfit.bulk")
+
+MiB = 2**20
+# A batch's measured peak above its prediction by less than this is not evidence that the
+# memory model is wrong: the heap growing by an arena, an allocator's first block of a new
+# size. Uncorrected, a first batch of 98 x 3 tokens (19.7 MiB measured, 5.7 predicted) tripled
+# the bytes per token and split every long batch after it.
+PEAK_NOISE_BYTES = 16 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class OutOfMemoryInput:
+    """In place of an output: this input did not fit in memory even alone."""
+
+    reason: str
+
+
+class Reserve:
+    """What the job's other threads (the reader, the writer) are doing to memory while the
+    model thread runs: bytes they are about to allocate, kept out of every batch's budget
+    (the probe cannot see them yet), and whether they were busy at all during a batch, whose
+    measured peak (a whole process's) then says nothing about the batch alone."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes: dict[str, int] = {}
+        self._busy = 0
+        self._changes = 0
+
+    def set(self, owner: str, num_bytes: int) -> None:
+        with self._lock:
+            self._bytes[owner] = max(0, num_bytes)
+
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            return sum(self._bytes.values())
+
+    @contextlib.contextmanager
+    def busy(self, owner: str, num_bytes: int = 0) -> Iterator[None]:
+        """``owner`` allocates for a while, about ``num_bytes`` (``set`` updates it)."""
+        with self._lock:
+            self._busy += 1
+            self._changes += 1
+            self._bytes[owner] = max(0, num_bytes)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._changes += 1
+                self._bytes[owner] = 0
+
+    def state(self) -> tuple[int, int]:
+        """(busy threads, changes so far): equal before and after a batch, with none busy,
+        means nothing else allocated meanwhile."""
+        with self._lock:
+            return self._busy, self._changes
+
+
+@dataclass
+class RunStats:
+    """What the model loop did, for the progress line and the summary."""
+
+    inputs: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    batches: int = 0
+    oom_splits: int = 0
+    budget_splits: int = 0
+    out_of_memory: int = 0
+    peak_bytes: int = 0
+    """The most memory the process held (resident on a CPU, allocated on a GPU)."""
+    budget: BatchBudget | None = None
+    """The budget of the last window's plan."""
+
+
+def build_runner(
+    model: Model, *, max_items: int, max_tokens: int, headroom: float,
+    memory_limit: int | None = None, reserve: Reserve | None = None,
+) -> Runner:  # fmt: skip
+    """A runner for ``model`` with the server's sizer and memory probe for its device. Call
+    on the model thread; it runs one small pass, which starts torch's threads."""
+    probe = probes_for_device(model.info.device, memory_limit_bytes=memory_limit)
+    sizer = make_sizer(model, max_items=max_items, max_tokens=max_tokens, headroom=headroom)
+    model.forward(model.synthetic_items(1, 8))
+    return Runner(model, sizer, probe, reserve=reserve)
+
+
+def make_sizer(model: Model, *, max_items: int, max_tokens: int, headroom: float) -> AdaptiveSizer:
+    config = AdaptiveConfig(max_items=max_items, max_tokens=max_tokens, headroom_fraction=headroom)
+    return AdaptiveSizer(prior_for(model.info.shape), config)
+
+
+class Runner:
+    """Runs windows of items through ``model.forward`` on the calling thread, which must be
+    the only one that ever runs a forward pass."""
+
+    def __init__(
+        self,
+        model: Model,
+        sizer: AdaptiveSizer,
+        probe: MemoryProbe | None,
+        *,
+        reserve: Reserve | None = None,
+        oom_split: bool = True,
+    ) -> None:
+        self.model = model
+        self.sizer = sizer
+        self.probe = probe
+        self.reserve = reserve or Reserve()
+        self.oom_split = oom_split
+        self.stats = RunStats()
+        info = model.info
+        self.device_type = info.device.partition(":")[0]
+        self.time_prior = time_prior(
+            hidden_size=info.shape.hidden_size,
+            intermediate_size=info.shape.intermediate_size,
+            device_type=self.device_type,
+        )
+
+    def read(self) -> MemoryReading | None:
+        """What is free now, less what the job's other threads are about to take."""
+        if self.probe is None:
+            return None
+        reading = self.probe.read()
+        self._note_peak(reading)
+        reserved = self.reserve.bytes
+        if reserved and reading.free_bytes is not None:
+            reading = dataclasses.replace(reading, free_bytes=max(0, reading.free_bytes - reserved))
+        if reserved and reading.enforced_free_bytes is not None:
+            reading = dataclasses.replace(
+                reading, enforced_free_bytes=max(0, reading.enforced_free_bytes - reserved)
+            )
+        return reading
+
+    def _note_peak(self, reading: MemoryReading, batch_peak: int | None = None) -> None:
+        """The host's resident peak since start; on a device, allocated plus a batch's peak."""
+        if reading.resident_peak_bytes is not None:
+            peak = reading.resident_peak_bytes
+        elif reading.allocated_bytes is not None:
+            peak = reading.allocated_bytes + (batch_peak or 0)
+        else:
+            return
+        self.stats.peak_bytes = max(self.stats.peak_bytes, peak)
+
+    def warm_up(self) -> WarmUpReport:
+        """The server's warm-up (``WarmUp``): the largest batches the budget allows, on a
+        ladder of lengths within the time bound; returns what it proved."""
+        on_host = self.device_type == "cpu"
+        if on_host:
+            tune_host_allocator(measuring=True)
+        started = time.perf_counter()
+        try:
+            warm_up = WarmUp(
+                self.sizer,
+                max_input_tokens=self.model.info.max_input_tokens,
+                max_items=self.sizer.config.max_items,
+            )
+            while (
+                step := warm_up.next_batch(self.read(), elapsed_s=time.perf_counter() - started)
+            ) is not None:
+                items = self.model.synthetic_items(step.num_items, step.length)
+                batch_started = time.perf_counter()
+                try:
+                    _, peak = self._forward(items, settle=True)
+                except ModelOutOfMemory:
+                    warm_up.out_of_memory()
+                    continue
+                elapsed = time.perf_counter() - batch_started
+                warm_up.ran(BatchOutcome(step.num_items, step.length, elapsed, peak))
+            report = warm_up.finish(time.perf_counter() - started)
+        finally:
+            if on_host:
+                tune_host_allocator(measuring=False)
+        log.info("warm-up: %s in %.1fs", report.describe(), report.elapsed_s)
+        return report
+
+    def _forward(self, items: Sequence[Item], *, settle: bool = False) -> tuple[list[Any], Any]:
+        return measured_forward(
+            self.model.forward, items, probe=self.probe, oom_errors=(ModelOutOfMemory,),
+            settle=settle,
+        )  # fmt: skip
+
+    def run(
+        self, items: Sequence[Item], on_batch: Callable[[int, int], None] | None = None
+    ) -> list[Any]:
+        """One output per item, in order (an ``OutOfMemoryInput`` where one could not fit).
+        ``on_batch(inputs, tokens)`` is called after each batch."""
+        outputs: list[Any] = [None] * len(items)
+        costs = [item.cost for item in items]
+        budget = self.sizer.budget(self.read())
+        self.stats.budget = budget
+        for batch in plan_window(costs, budget, self.time_prior.predict):
+            self._run(items, batch, outputs, on_batch)
+        return outputs
+
+    def _run(
+        self,
+        items: Sequence[Item],
+        batch: list[int],
+        outputs: list[Any],
+        on_batch: Callable[[int, int], None] | None,
+    ) -> None:
+        """Run ``batch`` (indices into ``items``); split it first where memory has shrunk
+        since the window was planned, and on OOM, down to one input."""
+        padded_len = max(items[i].cost for i in batch)
+        reading = self.read()
+        budget = self.sizer.budget(reading)
+        if not budget.fits(len(batch), padded_len):
+            if len(batch) > 1:
+                self.stats.budget_splits += 1
+                for half in split(batch):
+                    self._run(items, list(half), outputs, on_batch)
+                return
+            if refused_alone(padded_len, budget) is not None:
+                # Past a cgroup's limit the kernel kills the job, and the window with it.
+                self._fail(batch, outputs, f"{padded_len} tokens: predicted to exceed memory")
+                return
+        started = time.perf_counter()
+        before = self.reserve.state()
+        try:
+            results, peak = self._forward([items[i] for i in batch])
+        except ModelOutOfMemory:
+            self.sizer.on_oom(len(batch), padded_len)
+            if len(batch) == 1 or not self.oom_split:
+                log.warning(
+                    "batch of %d x %d tokens does not fit in memory", len(batch), padded_len
+                )
+                self._fail(batch, outputs, f"{padded_len} tokens: out of memory even alone")
+                return
+            self.stats.oom_splits += 1
+            log.info("batch of %d x %d tokens ran out of memory; splitting", len(batch), padded_len)
+            for half in split(batch):
+                self._run(items, list(half), outputs, on_batch)
+            return
+        elapsed = time.perf_counter() - started
+        if len(results) != len(batch):
+            raise RuntimeError(f"the model returned {len(results)} outputs for {len(batch)} inputs")
+        for index, result in zip(batch, results, strict=True):
+            outputs[index] = result
+        if reading is not None:
+            self._note_peak(reading, peak)
+        self.sizer.observe(
+            BatchOutcome(
+                len(batch),
+                padded_len,
+                elapsed,
+                self._evidence(before, peak, len(batch), padded_len),
+            )
+        )
+        tokens = sum(items[i].cost for i in batch)
+        stats = self.stats
+        stats.batches += 1
+        stats.inputs += len(batch)
+        stats.tokens += tokens
+        stats.padded_tokens += len(batch) * padded_len
+        if on_batch is not None:
+            on_batch(len(batch), tokens)
+
+    def _evidence(
+        self, before: tuple[int, int], peak: int | None, num_items: int, padded_len: int
+    ) -> int | None:
+        """The batch's peak, where it can correct the memory model: nothing else in the job
+        allocated meanwhile, and it passes the prediction by more than noise."""
+        busy, changes = before
+        if peak is None or busy or self.reserve.state() != (0, changes):
+            return None
+        if peak <= self.sizer.model.predict(num_items, padded_len) + PEAK_NOISE_BYTES:
+            return None
+        return peak
+
+    def _fail(self, batch: list[int], outputs: list[Any], reason: str) -> None:
+        for index in batch:
+            outputs[index] = OutOfMemoryInput(f"out of memory: {reason}")
+        self.stats.out_of_memory += len(batch)

@@ -1,0 +1,60 @@
+"""How many intra-op threads torch gets on CPU, and where that number comes from.
+
+An operator's number wins (``--num-threads``, then ``OMP_NUM_THREADS``, which ``batchfit up``
+sets to share the cores among its replicas); otherwise every CPU the process may run on, but
+no more than its cgroup's CPU quota allows: under a quota of 4 CPUs on a 64-core node, 64
+threads would spend most of each period throttled.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from batching.procfs import CpuQuota, own_cpu_quota
+from models.loading import available_cpus, omp_num_threads
+
+FLAG, OMP, QUOTA, AFFINITY = "--num-threads", "OMP_NUM_THREADS", "cgroup cpu quota", "CPU affinity"
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadCount:
+    num_threads: int
+    source: str  # FLAG, OMP, QUOTA or AFFINITY
+    where: str = ""  # the quota's cgroup, when it binds
+
+    def describe(self) -> str:
+        """``threads: 4 (cgroup cpu quota /kubepods/pod1)``, as the start-up log says it."""
+        where = f" {self.where}" if self.where else ""
+        return f"threads: {self.num_threads} ({self.source}{where})"
+
+
+def cpu_capacity(affinity: int, quota: CpuQuota | None) -> ThreadCount:
+    """The CPUs this process can keep busy: the smaller of its affinity and its quota
+    (rounded up: a quota of 1.5 CPUs still runs 2 threads part of each period), at least 1."""
+    if quota is not None and math.ceil(quota.cpus) < affinity:
+        return ThreadCount(max(1, math.ceil(quota.cpus)), QUOTA, quota.path)
+    return ThreadCount(max(1, affinity), AFFINITY)
+
+
+def choose_threads(
+    requested: int | None, omp: int | None, affinity: int, quota: CpuQuota | None
+) -> ThreadCount:
+    """The first of: the flag, ``OMP_NUM_THREADS``, ``cpu_capacity``."""
+    if requested is not None:
+        return ThreadCount(requested, FLAG)
+    if omp is not None:
+        return ThreadCount(omp, OMP)
+    return cpu_capacity(affinity, quota)
+
+
+def host_capacity() -> ThreadCount:
+    """``cpu_capacity`` of this process, read now."""
+    return cpu_capacity(available_cpus(), own_cpu_quota())
+
+
+def thread_count(requested: int | None, environ: Mapping[str, str] = os.environ) -> ThreadCount:
+    """``choose_threads`` for this process, read now."""
+    return choose_threads(requested, omp_num_threads(environ), available_cpus(), own_cpu_quota())

@@ -1,0 +1,36 @@
+"""Which of a process's threads burn CPU while some work runs: the threads its torch really
+computes with, counted by the kernel (``/proc/PID/task/TID/stat``), not by what it says."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each of the process's threads."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on
+        found[int(task.name)] = (int(fields[11]) + int(fields[12])) * TICK_S
+    return found
+
+
+def busy_threads(pid: int, work: Callable[[], object], share: float = 0.5) -> tuple[int, float]:
+    """How many threads spent at least ``share`` of the busiest one's CPU time on ``work``,
+    and the busiest one's seconds. OpenMP shares a forward pass out evenly, so every thread
+    of torch's pool is about as busy as the others, while the event loop and the other
+    helpers of a replica use a small fraction of that."""
+    before = thread_cpu_s(pid)
+    work()
+    after = thread_cpu_s(pid)
+    used = [seconds - before.get(tid, 0.0) for tid, seconds in after.items()]
+    busiest = max(used, default=0.0)
+    return sum(1 for seconds in used if seconds >= share * busiest), busiest
