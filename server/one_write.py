@@ -20,6 +20,8 @@ from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from .disconnect import EXTENSION, ConnectionWatch
+
 
 class CoalescingTransport(asyncio.Transport):
     """Forwards to ``transport``, holding writes until the loop's next turn and joining them."""
@@ -98,7 +100,21 @@ class CoalescingTransport(asyncio.Transport):
 
 
 class OneWriteHTTPProtocol(AutoHTTPProtocol):
-    """uvicorn's HTTP/1.1 protocol (httptools, else h11) writing through a CoalescingTransport."""
+    """uvicorn's HTTP/1.1 protocol (httptools, else h11) writing through a CoalescingTransport.
+
+    With httptools it also gives each request's scope the connection's ``ConnectionWatch``
+    (``server/disconnect.py``), told when the connection is lost."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.watch = ConnectionWatch()
         super().connection_made(CoalescingTransport(transport, asyncio.get_running_loop()))
+
+    def on_message_begin(self) -> None:
+        # NOTE: a callback of httptools' parser, which h11's protocol does not have: there
+        # requests carry no watch and the app falls back to waiting on receive().
+        super().on_message_begin()  # type: ignore[misc]
+        self.scope["extensions"] = {EXTENSION: self.watch}
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.watch.connection_lost()

@@ -39,6 +39,7 @@ from .announce import ready_line
 from .slot import ModelSlot, by_name, make_sizer, make_slots
 from .trace import RequestTrace
 from .tracking import WorkTracker
+from .waiting import ClientDisconnected, ClientWatch, RequestWait
 
 log = logging.getLogger("batchfit")
 
@@ -332,10 +333,13 @@ class Runtime:
         model: str | None = None,
         query: str | None = None,
         trace: RequestTrace | None = None,
+        client: ClientWatch | None = None,
     ) -> tuple[list[Any], int]:
         """Queue every input as one item of ``model`` (None: the default) and wait for all of
         them; return outputs and tokens. With ``query``, each input is a document paired with
-        it (reranking). ``trace``, if given, is filled in with what the request went through."""
+        it (reranking). ``trace``, if given, is filled in with what the request went through.
+        ``client`` tells when the client has gone: its items then leave the queue and this
+        raises ``ClientDisconnected``."""
         if self.draining:
             raise draining()
         if not self.ready:
@@ -345,12 +349,13 @@ class Runtime:
             return await self._infer(
                 slot, inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
                 priority=priority, query=query,
-                trace=trace if trace is not None else RequestTrace(),
+                trace=trace if trace is not None else RequestTrace(), client=client,
             )  # fmt: skip
 
     async def _infer(
         self, slot: ModelSlot, inputs: Sequence[str], *, truncate: bool, timeout_s: float,
         request_id: str, priority: int, query: str | None, trace: RequestTrace,
+        client: ClientWatch | None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         loop = asyncio.get_running_loop()
         assert slot.model is not None
@@ -382,22 +387,24 @@ class Runtime:
         self.queue.put_many(pendings)
         self.work.track(pendings)
         self.batching_metrics.queue_depth.set(len(self.queue))
-        try:
-            async with asyncio.timeout(timeout_s):
-                outputs = await asyncio.gather(*(p.future for p in pendings))
-        except TimeoutError:
-            raise ApiError(
+        wait = RequestWait(
+            loop, pendings, timeout_s=timeout_s, client=client,
+            deadline_error=ApiError(
                 504, "deadline_exceeded", f"no answer within the deadline of {timeout_s:g}s"
-            ) from None
-        except asyncio.CancelledError:
-            # The client went away: its waiting items leave the queue now and never run.
+            ),
+        )  # fmt: skip
+        try:
+            await wait.future
+        except ClientDisconnected:
+            # Its waiting items leave the queue now and never run.
             self.batching_metrics.cancelled.labels("queued").inc(self.queue.discard(pendings))
             raise
         finally:
+            wait.close()
             for pending in pendings:
                 if not pending.future.done():
                     pending.future.cancel()
             self.queue.discard(pendings)
             self.batching_metrics.queue_depth.set(len(self.queue))
             trace.record(pendings)
-        return outputs, trace.tokens
+        return [pending.future.result() for pending in pendings], trace.tokens
