@@ -182,8 +182,8 @@ async def test_without_the_connections_hook_a_task_on_receive_notices_the_discon
         scope = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
             "method": "POST", "scheme": "http", "path": "/v1/infer", "raw_path": b"/v1/infer",
-            "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-            "client": ("127.0.0.1", 1), "server": ("test", 80),
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+            "headers": [(b"content-type", b"application/json")], "server": ("test", 80),
         }  # fmt: skip
         abandoned = asyncio.create_task(app(scope, receive, send))
         await wait_until(lambda: len(app_runtime.queue) == 2)
