@@ -22,7 +22,8 @@ _Job = tuple[Callable[..., Any], tuple[Any, ...], asyncio.AbstractEventLoop, asy
 
 
 class ModelThread:
-    """Runs calls one at a time, in order, on one thread (started by the first call)."""
+    """Runs calls one at a time, in order, on one thread (started by the first call). The
+    model's thread, and the same hand-off for the tokenizer's."""
 
     def __init__(self, name: str = "batchfit-model") -> None:
         self._name = f"{name}_0"

@@ -8,7 +8,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +93,7 @@ class Runtime:
         self.model_thread = ModelThread()
         # Tokenizes large requests off the event loop; one thread, started before any
         # memory limit applies (a capped address space may have no room for a new stack).
-        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="batchfit-tokenize")
+        self.tokenizer_thread = ModelThread("batchfit-tokenize")
         # Wraps the batcher's forward calls, so traces are recorded on the model thread.
         self.profiler = BatchProfiler(Path(settings.profile_dir))
         self.batcher: Batcher | None = None
@@ -168,7 +167,7 @@ class Runtime:
             # The first forward pass starts torch's thread pool; start every thread before a
             # memory limit caps the address space.
             await self.model_thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
-        await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, int)
+        await self.tokenizer_thread.call(int)
         if self.settings.memory_limit is not None and info.device == "cpu":
             self._limit_host_memory(self.settings.memory_limit)
         self._log_memory_limit()
@@ -317,10 +316,8 @@ class Runtime:
                 await self.model_thread.call(self.profiler.finish)
             # Waits for a running forward pass on an existing thread (no new one under a
             # memory limit).
-            await asyncio.get_running_loop().run_in_executor(
-                self.tokenizer_thread, self.model_thread.close
-            )
-        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            await self.tokenizer_thread.call(self.model_thread.close)
+        self.tokenizer_thread.close(wait=False)
 
     async def infer(
         self,
@@ -365,7 +362,7 @@ class Runtime:
             prepare = functools.partial(slot.model.prepare_pairs, query, inputs, truncate=truncate)
         chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
         if chars > INLINE_TOKENIZE_CHARS:
-            items = await loop.run_in_executor(self.tokenizer_thread, prepare)
+            items = await self.tokenizer_thread.call(prepare)
         else:
             items = prepare()
         trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
