@@ -172,7 +172,11 @@ def _rule_for(frame: Frame) -> str | None:
     for stage, prefix, pattern in _RULES:
         if prefix is not None and not frame.file.startswith(prefix):
             continue
-        if pattern is not None and not re.fullmatch(pattern, frame.function):
+        # A pattern may name the function alone: a nested one's last name counts too.
+        last = frame.function.rsplit(".", 1)[-1]
+        if pattern is not None and not (
+            re.fullmatch(pattern, frame.function) or re.fullmatch(pattern, last)
+        ):
             continue
         return stage
     return None
