@@ -46,6 +46,7 @@ def create_app(
     registry: CollectorRegistry | None = None,
     sizer: Sizer | None = None,
     on_fatal: Callable[[], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
     """Build one replica's app. Start-up (model load, warm-up) runs in the background so that
     ``/health/live`` answers at once and ``/health/ready`` says 503 until it is done."""
@@ -61,6 +62,7 @@ def create_app(
         sizer=sizer,
         probe=probe,
         on_fatal=on_fatal,
+        on_ready=on_ready,
     )
 
     @contextlib.asynccontextmanager

@@ -73,7 +73,7 @@ async def infer_for_request(
     config = runtime.config
     timeout_s = min(timeout_s or config.default_timeout_s, config.max_timeout_s)
     name = runtime.slot(model).name
-    state = request.scope["state"]
+    state = request.scope.setdefault("state", {})
     state["model"] = name
     # Read by the access log once the request has been answered.
     state["trace"] = trace = RequestTrace()

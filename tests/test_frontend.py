@@ -4,11 +4,14 @@ that never enter FastAPI's stack, and a disconnect noticed without a watcher tas
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import threading
 from collections import Counter
 
 import httpx
 
+from server import Settings, create_app
 from server.lean import LeanFront
 from server.middleware import RequestIds
 from tests.fakes import ScriptedModel
@@ -205,3 +208,32 @@ def test_request_ids_are_unique_and_each_process_draws_its_own_prefix(monkeypatc
     assert len({i[:16] for i in first}) == 1
     monkeypatch.setattr("os.getpid", lambda: -42)  # as in a forked child
     assert ids.next()[:16] != first[0][:16]
+
+
+async def test_on_ready_runs_once_just_before_the_replica_turns_ready(registry):
+    seen = []
+    app = create_app(
+        Settings(sizer="fixed"), model=ScriptedModel(), registry=registry,
+        on_ready=lambda: seen.append(app.state.runtime.ready),
+    )  # fmt: skip
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        await wait_until(lambda: app.state.runtime.ready)
+        assert (await client.post("/v1/infer", json={"inputs": "a"})).status_code == 200
+    assert seen == [False]
+
+
+def test_a_serving_process_freezes_its_start_up_heap():
+    # Process-wide: in a process of its own.
+    code = (
+        "import gc; from server.heap import YOUNG_THRESHOLD, freeze_startup_heap; "
+        "freeze_startup_heap(); "
+        "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); "
+        "assert gc.get_threshold()[0] == YOUNG_THRESHOLD"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    # That a served replica does it is checked on a real one: tests/integration/test_server.py.

@@ -50,7 +50,8 @@ class Runtime:
     """Owns one replica's models (one ``ModelSlot`` each), model thread, queue and batcher.
 
     ``model`` (and ``sizer``) replace the default model's loading (tests, custom wiring);
-    ``models`` replaces every model, by name, in the order given.
+    ``models`` replaces every model, by name, in the order given. ``on_ready`` runs once,
+    just before the replica turns ready; ``on_fatal`` when it cannot go on.
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class Runtime:
         sizer: Sizer | None = None,
         probe: MemoryProbe | None = None,
         on_fatal: Callable[[], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.config = settings.server_config()
@@ -99,6 +101,7 @@ class Runtime:
         self.batcher: Batcher | None = None
         self.startup_error: BaseException | None = None
         self._on_fatal = on_fatal
+        self._on_ready = on_ready
         self._task: asyncio.Task[None] | None = None
         self._release_task: asyncio.Task[None] | None = None
         self._started = False
@@ -195,6 +198,8 @@ class Runtime:
                 self._release_memory_when_quiet(self.settings.memory_release_idle_s),
                 name="batchfit-release-memory",
             )
+        if self._on_ready is not None:
+            self._on_ready()  # before readiness: nothing is in flight yet
         self._started = True
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
