@@ -4,16 +4,19 @@ that never enter FastAPI's stack, and a disconnect noticed without a watcher tas
 
 import asyncio
 import contextlib
+import math
 import subprocess
 import sys
 import threading
 from collections import Counter
 
 import httpx
+import pytest
 
 from server import Settings, create_app
 from server.lean import LeanFront
 from server.middleware import RequestIds
+from server.runtime.tokenize import inline_limit, measure_inline_limit
 from tests.fakes import ScriptedModel
 from tests.inprocess import serve_in_thread
 from tests.test_app import running
@@ -237,3 +240,51 @@ def test_a_serving_process_freezes_its_start_up_heap():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     # That a served replica does it is checked on a real one: tests/integration/test_server.py.
+
+
+@pytest.mark.parametrize(
+    ("costs_us", "handoff_us", "limit"),
+    [
+        ({16: 5, 64: 15, 256: 50, 1024: 200, 4096: 800}, 10, 64),  # 50 > 2 x 10
+        ({16: 30, 64: 60, 256: 120}, 10, 0),  # a real tokenizer: even 16 chars
+        ({16: 1, 64: 1, 256: 2, 1024: 3, 4096: 5}, 10, math.inf),  # nearly free: always inline
+        ({16: 5, 64: 25, 256: 10}, 10, 16),  # a size over budget ends it, even if larger fit
+    ],
+)
+def test_the_inline_limit_is_the_largest_size_within_two_hand_offs(costs_us, handoff_us, limit):
+    costs = {chars: us * 1e-6 for chars, us in costs_us.items()}
+    assert inline_limit(costs, handoff_us * 1e-6) == limit
+
+
+async def test_the_limit_is_measured_in_the_loops_cpu_time_of_each_side():
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731 - advanced by what "runs"
+
+    def prepare(texts):
+        now[0] += len(texts[0]) * 1e-6  # a microsecond a character
+
+    async def handoff():
+        now[0] += 40e-6
+
+    limit, costs, handoff_s = await measure_inline_limit(prepare, handoff, clock=clock)
+    assert handoff_s == pytest.approx(40e-6)
+    assert costs[256] == pytest.approx(256e-6)
+    assert limit == 64  # 256 us > 2 x 40 us
+
+
+async def test_text_over_the_models_limit_is_tokenized_on_the_tokenizer_thread(registry):
+    threads = []
+
+    class Recording(ScriptedModel):
+        def prepare(self, inputs, *, truncate):
+            threads.append(threading.current_thread().name)
+            return super().prepare(inputs, truncate=truncate)
+
+    async with running(Recording(), registry) as client:
+        slot = client._transport.app.state.runtime.slot()
+        slot.inline_tokenize_chars = 10
+        threads.clear()
+        assert (await client.post("/v1/infer", json={"inputs": "short"})).status_code == 200
+        long = await client.post("/v1/infer", json={"inputs": ["twelve chars", "and more"]})
+        assert long.status_code == 200
+    assert threads == ["MainThread", "batchfit-tokenize_0"]

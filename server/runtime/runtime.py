@@ -36,13 +36,14 @@ from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
 from .slot import ModelSlot, by_name, make_sizer, make_slots
+from .tokenize import measure_inline_limit
 from .trace import RequestTrace
 from .tracking import WorkTracker
 from .waiting import ClientDisconnected, ClientWatch, RequestWait
 
 log = logging.getLogger("batchfit")
 
-# Requests with more text than this are tokenized off the event loop.
+# Until a model's own limit is measured at start-up (``tokenize.py``).
 INLINE_TOKENIZE_CHARS = 4096
 
 
@@ -171,6 +172,8 @@ class Runtime:
             # memory limit caps the address space.
             await self.model_thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
         await self.tokenizer_thread.call(int)
+        for slot in self._slots:
+            await self._place_tokenizing(slot)
         if self.settings.memory_limit is not None and info.device == "cpu":
             self._limit_host_memory(self.settings.memory_limit)
         self._log_memory_limit()
@@ -219,6 +222,31 @@ class Runtime:
         self.metrics.model.labels(slot.name).info(
             {"name": info.name, "task": info.task, "device": info.device, "dtype": info.dtype}
         )
+
+    async def _place_tokenizing(self, slot: ModelSlot) -> None:
+        """Measure up to how much text ``slot``'s requests are worth tokenizing inline."""
+        assert slot.model is not None
+        model = slot.model
+
+        def prepare(texts: list[str]) -> object:
+            return model.prepare(texts, truncate=True)
+
+        try:
+            limit, costs, handoff_s = await measure_inline_limit(
+                prepare, lambda: self.tokenizer_thread.call(int)
+            )
+        except Exception as exc:  # a custom model that cannot tokenize plain words
+            log.warning("model %s: tokenizing not measured (%s)", slot.name, exc)
+            slot.inline_tokenize_chars = INLINE_TOKENIZE_CHARS
+            return
+        slot.inline_tokenize_chars = limit
+        log.info(
+            "model %s: tokenized on the event loop up to %s characters (inline: %s; the "
+            "hand-off to the tokenizer thread: %.0f us)",
+            slot.name, "any number of" if limit == float("inf") else f"{limit:.0f}",
+            ", ".join(f"{chars} chars {cost * 1e6:.0f} us" for chars, cost in costs.items()),
+            handoff_s * 1e6,
+        )  # fmt: skip
 
     def _limit_host_memory(self, limit_bytes: int) -> None:
         assert self.probe is not None
@@ -366,7 +394,7 @@ class Runtime:
         else:
             prepare = functools.partial(slot.model.prepare_pairs, query, inputs, truncate=truncate)
         chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
-        if chars > INLINE_TOKENIZE_CHARS:
+        if chars > slot.inline_tokenize_chars:
             items = await self.tokenizer_thread.call(prepare)
         else:
             items = prepare()
