@@ -94,7 +94,9 @@ def overhead_table(rows: Sequence[LoadSummary], bare: Sequence[LoadSummary] = ()
         "CPU time and in latency as the client sees it. Beside it, the bare stack it is built "
         "on: a FastAPI endpoint with a pydantic body, the bundled model's tokenizer and an "
         "orjson answer of 4 floats per input, no queue and no model (`bench/baselines.py`), "
-        f"under the same load ({load}; one level of each in turn).",
+        f"under the same load ({load}; one level of each in turn). Where the server's CPU goes, "
+        "stage by stage, and the commands that measure it: docs/frontend.md "
+        "([in the repository](../frontend.md)).",
         "",
         "| server | load | requests/s | mean ms | p50 ms | p99 ms | server CPU ms/request "
         "| errors |",
