@@ -288,3 +288,21 @@ async def test_text_over_the_models_limit_is_tokenized_on_the_tokenizer_thread(r
         long = await client.post("/v1/infer", json={"inputs": ["twelve chars", "and more"]})
         assert long.status_code == 200
     assert threads == ["MainThread", "batchfit-tokenize_0"]
+
+
+async def test_the_front_matches_hot_paths_under_a_root_path_and_only_posts(registry):
+    async with running(VectorModel(), registry) as client:
+        front = client._transport.app.middleware_stack
+
+        def scope(path, root="", method="POST"):
+            return {"type": "http", "method": method, "path": path, "root_path": root}
+
+        assert front.match(scope("/api/v1/infer", "/api")).path == "/v1/infer"
+        versioned = scope("/v2/models/a/b/versions/1/infer")
+        assert front.match(versioned).path.endswith("/versions/{version}/infer")
+        assert versioned["path_params"] == {"name": "a/b", "version": "1"}
+        plain = scope("/v2/models/a/b/infer")
+        assert front.match(plain).path == "/v2/models/{name:path}/infer"
+        assert plain["path_params"] == {"name": "a/b"}
+        assert front.match(scope("/v1/models")) is None
+        assert front.match(scope("/v2/models/a/ready")) is None

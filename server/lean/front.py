@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
-from starlette._utils import get_route_path
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -30,7 +29,9 @@ class LeanFront:
 
     def match(self, scope: Scope) -> BaseRoute | None:
         """The lean route a POST to this path runs (path parameters set in ``scope``)."""
-        path = get_route_path(scope)
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]  # as Starlette's routing reads it under a root path
         route = self._exact.get(path)
         if route is not None or not path.startswith(self._prefixes):
             return route

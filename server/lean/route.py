@@ -31,7 +31,7 @@ def lean_asgi(handler: LeanHandler, render: ErrorRenderer, validation: Validatio
         try:
             answer = await handler(request)
         except ClientDisconnected:
-            scope["state"]["error_type"] = "client_disconnected"
+            scope.setdefault("state", {})["error_type"] = "client_disconnected"
             answer = Response(status_code=499)
         except RequestValidationError as exc:
             answer = _render(request, validation(exc), render)
@@ -43,7 +43,7 @@ def lean_asgi(handler: LeanHandler, render: ErrorRenderer, validation: Validatio
 
 
 def _render(request: Request, error: ApiError, render: ErrorRenderer) -> Response:
-    request.scope["state"]["error_type"] = error.error_type
+    request.scope.setdefault("state", {})["error_type"] = error.error_type
     return render(request, error)
 
 
