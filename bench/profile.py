@@ -2,7 +2,7 @@
 
 ``python -m bench.profile --target noop --connections 32`` starts a replica serving the no-op
 model (``--target bare``: the bare-stack baseline), drives it with wrk, samples every thread
-with py-spy (``pip install py-spy``; it needs ptrace rights, e.g. root) and prints the stage
+with py-spy (in the bench extra; it needs ptrace rights, e.g. root) and prints the stage
 table of ``bench.stages`` for the event loop's thread, plus the other threads' total and the
 process's CPU time per request from ``/proc`` to check the sampled sum against.
 """
