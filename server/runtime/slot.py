@@ -50,6 +50,9 @@ class ModelSlot:
         self.model = model
         self.sizer = sizer  # built from the model's shape once it is loaded, unless given
         self.probe: MemoryProbe | None = None  # the replica's, shared by every slot
+        self.inline_tokenize_chars: float = 0.0
+        """Requests with at most this much text are tokenized on the event loop; measured
+        at start-up (``runtime/tokenize.py``)."""
 
     @property
     def name(self) -> str:
