@@ -3,7 +3,7 @@
 Never imports a concrete model: the batcher drives anything with a ``forward`` callable.
 """
 
-from .batcher import Batcher, BatcherConfig, Lane, ModelThread
+from .batcher import Batcher, BatcherConfig, Lane
 from .clock import Clock, MonotonicClock
 from .composite import CompositeProbe, probes_for_device
 from .errors import (
@@ -23,6 +23,7 @@ from .metrics import (
     ModelMemoryMetrics,
     powers_of_two,
 )
+from .model_thread import ModelThread
 from .planner import (
     BatchBudget,
     BatchPlan,

@@ -7,27 +7,25 @@ same model, sized by that model's sizer against the memory read just before the 
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from .clock import Clock
 from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
 from .measure import Forward, measured_forward
 from .metrics import BatchingMetrics, MemoryMetrics, ModelBatchingMetrics, ModelMemoryMetrics
+from .model_thread import ModelThread
 from .planner import BatchBudget, BatchPlan, plan_batch, refused_alone, split
-from .probes import MemoryProbe, MemoryReading
+from .probes import MemoryProbe, MemoryReading, ProbeError
 from .queue import Pending, RequestQueue
 from .sizer import BatchOutcome, Sizer
 from .timing import BatchTimeModel
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +39,9 @@ class BatcherConfig:
     """Longest / shortest item in one batch (see ``plan_batch``); None: no bound."""
     plan_by_time: bool = False
     """Fit a ``BatchTimeModel`` to the batches that ran and plan with it once fitted."""
+    max_reading_age_s: float = 0.1
+    """The memory reading the model thread takes right after a batch sizes the next batch
+    if that one is planned within this long; otherwise the event loop reads anew."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,29 +73,6 @@ class _LaneState:
         self.memory_metrics = memory_metrics
         self.time_model = BatchTimeModel() if plan_by_time else None
         self.budget: BatchBudget | None = None
-
-
-class ModelThread:
-    """The one thread that runs every forward pass (torch on CPU loses 30-40% hopping threads)."""
-
-    def __init__(self, name: str = "batchfit-model") -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._calls: set[Future[Any]] = set()
-
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        future = self._executor.submit(fn, *args)
-        self._calls.add(future)
-        future.add_done_callback(self._calls.discard)
-        return await asyncio.wrap_future(future)
-
-    @property
-    def busy(self) -> bool:
-        """Whether a call is running or waiting (one cancelled by its caller included: a
-        forward pass in progress cannot be interrupted)."""
-        return any(not future.done() for future in list(self._calls))
-
-    def close(self, *, wait: bool = True) -> None:
-        self._executor.shutdown(wait=wait, cancel_futures=True)
 
 
 class Batcher:
@@ -139,6 +117,10 @@ class Batcher:
         self._fatal_errors = fatal_errors
         self._probe = probe
         self._memory_metrics = memory_metrics
+        self._reading: MemoryReading | None = None
+        self._reading_s = 0.0
+        self.num_loop_readings = 0
+        """Memory readings taken on the event loop (the rest come with a batch's results)."""
         self.healthy = True
         self._in_flight: Sequence[Pending] = ()
         self.num_batches = 0
@@ -170,7 +152,7 @@ class Batcher:
         lane = self._next_lane()
         if lane is None:
             return 0
-        reading = self._read_memory()
+        reading = self._take_reading()
         budget = lane.budget = lane.sizer.budget(reading)
         lane.metrics.budget_items.set(budget.max_items)
         lane.metrics.budget_tokens.set(budget.max_tokens)
@@ -255,7 +237,9 @@ class Batcher:
         lane = self.lanes[model]
         padded_len = max(item.cost for item in items)
         started = self.clock.now()
-        _, peak = await self._model_thread.call(self._measured_forward, lane.forward, items, True)
+        _, peak, _ = await self._model_thread.call(
+            self._measured_forward, lane.forward, items, True
+        )
         elapsed = self.clock.now() - started
         if lane.time_model is not None:
             lane.time_model.observe(len(items), padded_len, elapsed)
@@ -278,10 +262,21 @@ class Batcher:
             _fail(pending, error)
         self._update_depth()
 
-    def _read_memory(self) -> MemoryReading | None:
+    def _take_reading(self) -> MemoryReading | None:
+        """The reading that came back with the last batch if it is recent enough (each is
+        used once), else one read now, on the event loop."""
         if self._probe is None:
             return None
+        reading, self._reading = self._reading, None
+        fresh = self.clock.now() - self._reading_s <= self.config.max_reading_age_s
+        if reading is not None and fresh:
+            return reading
+        self.num_loop_readings += 1
         reading = self._probe.read()
+        self._publish(reading)
+        return reading
+
+    def _publish(self, reading: MemoryReading) -> None:
         metrics = self._memory_metrics
         if metrics is not None:
             for gauge, value in (
@@ -301,15 +296,24 @@ class Batcher:
                     gauge.set(value)
             metrics.set_limit(reading.limit)
             metrics.set_probe_states(reading)
-        return reading
 
     def _measured_forward(
         self, forward: Forward, items: Sequence[Any], settle: bool = False
-    ) -> tuple[list[Any], int | None]:
-        """Runs on the model thread: the forward pass and its peak memory above baseline."""
-        return measured_forward(
-            forward, items, probe=self._probe, oom_errors=self._oom_errors, settle=settle
+    ) -> tuple[list[Any], int | None, MemoryReading | None]:
+        """Runs on the model thread: the forward pass, its peak memory above baseline
+        (``measured_forward``), and (outside calibration) a memory reading taken just after
+        it, for the next batch's budget: the probe's file reads and device queries stay off
+        the event loop."""
+        probe = self._probe
+        outputs, peak = measured_forward(
+            forward, items, probe=probe, oom_errors=self._oom_errors, settle=settle
         )
+        reading = None
+        if probe is not None and not settle:
+            # A failed read costs the next batch a read on the loop, never these outputs.
+            with contextlib.suppress(ProbeError):
+                reading = probe.read()
+        return outputs, peak, reading
 
     async def _fill(self, lane: _LaneState, max_items: int, max_tokens: int) -> None:
         """Wait up to ``max_wait_s`` from the lane's oldest item's arrival for a full batch."""
@@ -363,7 +367,7 @@ class Batcher:
                 pending.started_s = started
             pending.batch = (self.num_batches, len(live))
         try:
-            outputs, peak = await self._model_thread.call(
+            outputs, peak, reading = await self._model_thread.call(
                 self._measured_forward, lane.forward, [p.item for p in live]
             )
         except self._oom_errors as exc:
@@ -401,6 +405,8 @@ class Batcher:
                 _fail(pending, InferenceFailed("inference failed"))
             return
         elapsed = self.clock.now() - started
+        if reading is not None:
+            self._reading, self._reading_s = reading, started + elapsed
         lane.metrics.batch_duration.observe(elapsed)
         if len(outputs) != len(live):
             log.error("model returned %d outputs for %d inputs", len(outputs), len(live))
@@ -417,6 +423,8 @@ class Batcher:
             self.metrics.cancelled.labels("running").inc(orphans)
         # NOTE: after the futures: a refit of the time model (every few batches, a few
         # least-squares fits on the event loop) must not delay this batch's answers.
+        if reading is not None:
+            self._publish(reading)
         lane.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
         if lane.time_model is not None:
             lane.time_model.observe(len(live), padded_len, elapsed)

@@ -27,8 +27,10 @@ class MonotonicClock:
             return True
         if timeout <= 0:
             return False
+        # NOTE: asyncio.timeout, not wait_for: wait_for wraps the wait in a task of its own.
         try:
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()
         except TimeoutError:
             return event.is_set()
         return True

@@ -312,14 +312,18 @@ class MemoryMetrics:
             registry=registry,
         )
         self._limit_source: str | None = None
+        self._limit_shown: tuple[str, int] | None = None
 
     def set_limit(self, limit: MemoryLimit | None) -> None:
         """Show ``limit`` as the binding one; the series of the source before it goes."""
         if limit is None:
             return
+        if (limit.source, limit.limit_bytes) == self._limit_shown:
+            return  # read before every batch, and it seldom changes
         if self._limit_source is not None and self._limit_source != limit.source:
             self.limit.remove(self._limit_source)
         self._limit_source = limit.source
+        self._limit_shown = (limit.source, limit.limit_bytes)
         self.limit.labels(limit.source).set(limit.limit_bytes)
 
     def set_probe_states(self, reading: MemoryReading) -> None:

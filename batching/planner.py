@@ -85,6 +85,8 @@ def plan_batch(
     """
     if not costs:
         return BatchPlan(indices=(), padded_len=0, real_tokens=0)
+    if len(costs) == 1:  # nothing to choose (an idle server's every batch): no partition
+        return BatchPlan(indices=(0,), padded_len=costs[0], real_tokens=costs[0])
     anchor = costs[0]
     shortest_allowed, longest_allowed = 0, math.inf
     if predict_time is not None:

@@ -4,8 +4,9 @@ from .limit import LimitResult, ideal_batches, measure_limit
 from .loadgen import Outcome, RunResult, closed_loop, open_loop
 from .plain import PlainEncoder, load_plain_encoder
 from .report import render_markdown, write_report
-from .runner import SERVER_CONFIGS, BenchOptions, BenchResult, run_bench, targets
+from .runner import SERVER_CONFIGS, BenchOptions, BenchResult, run_bench
 from .stats import LoadSummary, batching_figures, parse_scrape, percentile, summarize
+from .targets import targets
 from .workload import WorkloadSpec, arrival_times, make_requests
 
 __all__ = [

@@ -8,8 +8,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from .loadgen import CLIENTS
 from .report import QUICK_NOTE, write_report
-from .runner import SERVER_CONFIGS, BenchOptions, quick_options, run_bench, targets
+from .runner import OVERHEAD_LOADS, SERVER_CONFIGS, BenchOptions, quick_options, run_bench
+from .targets import targets
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -49,6 +51,17 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     add("--overhead-requests", type=int, default=None,
         help="Single-input requests per level against a no-op model, for the server's own CPU "
              "time per request (default: 400; --quick: 40; 0 skips it).")
+    add("--overhead-load", choices=OVERHEAD_LOADS, default=None,
+        help="The no-op phase's load generator: wrk (default; the aiohttp client where wrk "
+             "is not installed) or aiohttp.")
+    add("--overhead-duration-s", type=float, default=None,
+        help="Length of each wrk level of the no-op phase (default: 10; --quick: 2).")
+    add("--clients", type=_names, default=None,
+        help=f"Load generators for the real model, of {','.join(CLIENTS)}: the first drives "
+             "every level, the others adaptive's one-client and highest levels and the "
+             "no-batching server's (default: aiohttp,httpx).")
+    add("--no-baselines", action="store_false", dest="baselines", default=None,
+        help="Skip the bare stack (beside the no-op model) and the no-batching server.")
     add("--seed", type=int, default=None, help="Workload seed (default: 0).")
     add("--server-flag", action="append", default=[], dest="server_flags", metavar="FLAG",
         help="Extra flag for every server (repeatable), e.g. --server-flag=--max-wait-ms=0.")
@@ -64,6 +77,10 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         "duration_s": args.duration_s,
         "idle_requests": args.idle_requests,
         "overhead_requests": args.overhead_requests,
+        "overhead_load": args.overhead_load,
+        "overhead_duration_s": args.overhead_duration_s,
+        "clients": args.clients,
+        "baselines": args.baselines,
         "seed": args.seed,
         "extra_server_flags": tuple(args.server_flags) or None,
     }

@@ -8,9 +8,10 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from .runner import BenchResult, Target, targets
+from .runner import BenchResult
 from .sampler import batch_size_series
 from .stats import LoadSummary
+from .targets import Target, targets
 
 REPORT = "report.md"
 FIGURES = "results.json"
@@ -80,25 +81,64 @@ def idle_table(idle: dict[str, LoadSummary], batch1_p50_s: dict[str, float]) -> 
     return "\n".join(lines)
 
 
-def overhead_table(rows: Sequence[LoadSummary]) -> list[str]:
-    """The no-op model's levels: the server's own cost per request."""
+def overhead_table(rows: Sequence[LoadSummary], bare: Sequence[LoadSummary] = ()) -> list[str]:
+    """The no-op model's levels (the server's own cost per request), beside the bare stack's
+    under the same load, level by level in turn."""
     if not rows:
         return []
+    load = rows[0].client
     lines = [
         "## Server overhead",
         "",
         "The same server serving a model that does no work (`--model python:bench.noop:create`), "
         "single-input requests: what HTTP, validation, the queue, the batcher, the hand-offs "
         "to the model thread and back and the JSON answer cost per request, in the server's "
-        "CPU time and in latency as the client sees it.",
+        "CPU time and in latency as the client sees it. Beside it, the bare stack it is built "
+        "on: a FastAPI endpoint with a pydantic body, the bundled model's tokenizer and an "
+        "orjson answer of 4 floats per input, no queue and no model (`bench/baselines.py`), "
+        f"under the same load ({load}; one level of each in turn). Where the server's CPU goes, "
+        "stage by stage, and the commands that measure it: docs/frontend.md "
+        "([in the repository](../frontend.md)).",
         "",
-        "| load | requests/s | p50 ms | p99 ms | server CPU ms/request | errors |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
+        "| server | load | requests/s | mean ms | p50 ms | p99 ms | server CPU ms/request "
+        "| errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for s in [*rows, *bare]:
+        lines.append(
+            f"| {s.config} | {s.load} | {s.requests_per_s:,.0f} | {_num(s.mean_s * 1e3, 2)} "
+            f"| {_num(s.p50_s * 1e3, 2)} | {_num(s.p99_s * 1e3, 2)} "
+            f"| {_num(s.cpu_ms_per_input, 3)} | {_errors(s.errors)} |"
+        )
+    return [*lines, ""]
+
+
+def baseline_table(result: BenchResult) -> list[str]:
+    """The no-batching server and adaptive with each load generator."""
+    rows = [
+        *[s for s in result.idle.values() if s.config == "adaptive"],
+        *result.other_clients,
+        *result.no_batching,
+    ]
+    if not result.no_batching and not result.other_clients:
+        return []
+    lines = [
+        "## Against a server without batching, and with another client",
+        "",
+        "The no-batching server is the bundled model behind a FastAPI endpoint and one model "
+        "thread, each request's inputs one forward pass, with torch's and OpenMP's defaults "
+        "(`bench/baselines.py`). The one-client levels send the single-input requests of the "
+        "idle level; the others the workload above. The load generator's own CPU is part of "
+        "what it measures: httpx costs more per request than aiohttp.",
+        "",
+        "| server | load | client | inputs/s | p50 ms | p90 ms | p99 ms | CPU ms/input | errors |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for s in rows:
         lines.append(
-            f"| {s.load} | {s.requests_per_s:.0f} | {_num(s.p50_s * 1e3, 2)} "
-            f"| {_num(s.p99_s * 1e3, 2)} | {_num(s.cpu_ms_per_input, 2)} | {_errors(s.errors)} |"
+            f"| {s.config} | {s.load} | {s.client} | {s.inputs_per_s:.1f} | {_ms(s.p50_s)} "
+            f"| {_ms(s.p90_s)} | {_ms(s.p99_s)} | {_num(s.cpu_ms_per_input, 2)} "
+            f"| {_errors(s.errors)} |"
         )
     return [*lines, ""]
 
@@ -179,7 +219,8 @@ def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
         "",
         idle_table(result.idle, result.batch1_p50_s),
         "",
-        *overhead_table(result.overhead),
+        *baseline_table(result),
+        *overhead_table(result.overhead, result.bare),
         "## Targets",
         "",
         *target_section(result),

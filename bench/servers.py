@@ -87,12 +87,22 @@ def _die_with_parent() -> None:
 
 def launch_replica(flags: list[str], *, log_dir: Path | None = None) -> Replica:
     """Start a replica with ``flags`` on a free loopback port; it is not ready yet."""
+    return _launch(["-m", "server", "serve", "--log-level", "warning", *flags], log_dir)
+
+
+def launch_baseline(factory: str, *, log_dir: Path | None = None) -> Replica:
+    """Start plain uvicorn (its defaults, one worker) serving the app ``factory`` returns
+    (``module:function``); it is not ready yet."""
+    flags = ["--factory", factory, "--log-level", "warning", "--no-access-log"]
+    return _launch(["-m", "uvicorn", *flags], log_dir)
+
+
+def _launch(arguments: list[str], log_dir: Path | None) -> Replica:
     port = free_port()
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="batchfit-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{port}.log"
-    command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
-               "--port", str(port), "--log-level", "warning", *flags]  # fmt: skip
+    command = [sys.executable, *arguments, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command,
@@ -121,18 +131,25 @@ def stop_replica(replica: Replica) -> None:
 
 @contextlib.contextmanager
 def start_replicas(
-    flag_lists: list[list[str]], *, log_dir: Path | None = None, ready_timeout_s: float = 180
+    flag_lists: list[list[str]],
+    *,
+    log_dir: Path | None = None,
+    ready_timeout_s: float = 180,
+    baseline: str | None = None,
 ) -> Iterator[list[Replica]]:
     """Replicas started together (their start-ups overlap) and stopped with SIGTERM on exit.
 
     Without ``log_dir`` their logs go to a new temporary folder, removed at exit unless
-    something failed (then it is kept for the post-mortem, and the error names it)."""
+    something failed (then it is kept for the post-mortem, and the error names it). With
+    ``baseline`` (an app factory), one plain uvicorn serving it instead, ``flag_lists`` unused."""
     own_dir = log_dir is None
     log_dir = Path(tempfile.mkdtemp(prefix="batchfit-bench-")) if log_dir is None else log_dir
     replicas: list[Replica] = []
     failed = False
     try:
-        for flags in flag_lists:
+        if baseline is not None:
+            replicas.append(launch_baseline(baseline, log_dir=log_dir))
+        for flags in flag_lists if baseline is None else []:
             replicas.append(launch_replica(flags, log_dir=log_dir))
         for replica in replicas:
             wait_ready(replica, ready_timeout_s)
@@ -152,4 +169,15 @@ def start_replica(
     flags: list[str], *, log_dir: Path | None = None, ready_timeout_s: float = 180
 ) -> Iterator[Replica]:
     with start_replicas([flags], log_dir=log_dir, ready_timeout_s=ready_timeout_s) as replicas:
+        yield replicas[0]
+
+
+@contextlib.contextmanager
+def start_baseline(
+    factory: str, *, log_dir: Path | None = None, ready_timeout_s: float = 180
+) -> Iterator[Replica]:
+    """One plain uvicorn serving ``factory``'s app (``bench.baselines``), stopped at exit."""
+    with start_replicas(
+        [], log_dir=log_dir, ready_timeout_s=ready_timeout_s, baseline=factory
+    ) as replicas:
         yield replicas[0]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from .loadgen import Outcome
+from .wrk import WrkResult
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -45,6 +46,10 @@ class LoadSummary:
     cpu_ms_per_input: float = math.nan
     """Server process CPU time per successful input: robust to a shared host."""
     peak_rss_bytes: int | None = None
+    mean_s: float = math.nan
+    """Mean latency of the successful requests."""
+    client: str = "aiohttp"
+    """The load generator: aiohttp (the benchmark's own), httpx or wrk."""
 
 
 def summarize(
@@ -57,6 +62,7 @@ def summarize(
     metrics_after: Mapping[str, float] | None = None,
     peak_rss_bytes: int | None = None,
     cpu_s: float | None = None,
+    client: str = "aiohttp",
 ) -> LoadSummary:
     """Throughput counts successful requests only; latency percentiles are over them too."""
     ok = [o for o in outcomes if o.status == 200]
@@ -86,6 +92,31 @@ def summarize(
         mean_queue_wait_s=wait,
         cpu_ms_per_input=cpu_s * 1e3 / inputs if cpu_s is not None and inputs else math.nan,
         peak_rss_bytes=peak_rss_bytes,
+        mean_s=sum(latencies) / len(latencies) if latencies else math.nan,
+        client=client,
+    )
+
+
+def summarize_wrk(config: str, run: WrkResult, *, cpu_s: float | None = None) -> LoadSummary:
+    """A wrk run of single-input requests (wrk counts non-2xx answers as errors)."""
+    ok = run.requests - run.errors
+    wall = max(run.duration_s, 1e-9)
+    return LoadSummary(
+        config=config,
+        load=f"c={run.connections}",
+        num_requests=ok,
+        num_inputs=ok,
+        wall_s=run.duration_s,
+        requests_per_s=ok / wall,
+        inputs_per_s=ok / wall,
+        p50_s=run.p50_s,
+        p90_s=math.nan,
+        p99_s=run.p99_s,
+        max_s=run.max_s,
+        errors={"wrk": run.errors} if run.errors else {},
+        cpu_ms_per_input=cpu_s * 1e3 / ok if cpu_s is not None and ok else math.nan,
+        mean_s=run.mean_s,
+        client="wrk",
     )
 
 

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry, disable_created_metrics
 from starlette.responses import Response
+from starlette.types import ASGIApp
 
 from batching import Clock, MemoryProbe, Sizer
 from models import Model
@@ -19,6 +20,7 @@ from .access_log import AccessLog
 from .admin import make_admin_router
 from .auth import ApiKeyMiddleware
 from .errors import install_error_handlers
+from .lean import install_lean_front
 from .metrics_server import serve_metrics
 from .middleware import RequestContextMiddleware
 from .protocols import kserve_v2, openai
@@ -44,6 +46,7 @@ def create_app(
     registry: CollectorRegistry | None = None,
     sizer: Sizer | None = None,
     on_fatal: Callable[[], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
     """Build one replica's app. Start-up (model load, warm-up) runs in the background so that
     ``/health/live`` answers at once and ``/health/ready`` says 503 until it is done."""
@@ -59,6 +62,7 @@ def create_app(
         sizer=sizer,
         probe=probe,
         on_fatal=on_fatal,
+        on_ready=on_ready,
     )
 
     @contextlib.asynccontextmanager
@@ -92,11 +96,11 @@ def create_app(
     app.state.runtime = runtime
     app.state.registry = registry
     api_keys = settings.api_keys()
+    # The admin endpoints check their own token in the same header; the API key is not asked
+    # for there (it could not be sent alongside).
+    exempt = ("/admin/",) if settings.admin_token is not None else ()
     if api_keys:
         # Added first, so it runs inside the request-id and metrics middleware.
-        # The admin endpoints check their own token in the same header; the API key is not
-        # asked for there (it could not be sent alongside).
-        exempt = ("/admin/",) if settings.admin_token is not None else ()
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, exempt_prefixes=exempt)
     history = StatusHistory(
         registry, queue_depth=lambda: len(runtime.queue), window_s=settings.status_window_s
@@ -107,11 +111,22 @@ def create_app(
         RequestContextMiddleware, max_body_bytes=settings.max_body_bytes,
         metrics=runtime.metrics, observers=observers,
     )  # fmt: skip
+
+    def lean_middleware(inner: ASGIApp) -> ASGIApp:
+        """The same middleware, in the same order, for the lean routes."""
+        if api_keys:
+            inner = ApiKeyMiddleware(inner, keys=api_keys, exempt_prefixes=exempt)
+        return RequestContextMiddleware(
+            inner, max_body_bytes=settings.max_body_bytes, metrics=runtime.metrics,
+            observers=observers,
+        )  # fmt: skip
+
     install_error_handlers(app)
-    app.include_router(router)
-    app.include_router(rerank_router)
-    app.include_router(openai.router)
-    app.include_router(kserve_v2.router)
+    routers = (router, rerank_router, openai.router, kserve_v2.router)
+    for included in routers:
+        app.include_router(included)
+    lean_routes = [r for included in routers for r in included.routes if hasattr(r, "lean_app")]
+    install_lean_front(app, lean_routes, lean_middleware)
     app.include_router(make_status_router(history))
     app.mount(STATUS_ASSETS_URL, status_assets(), name="status-assets")
     if settings.admin_token is not None:

@@ -18,6 +18,7 @@ from bench.cli import add_bench_flags, bench
 from bulk.cli import add_bulk_parsers, bulk_main
 
 from .app import create_app
+from .heap import freeze_startup_heap
 from .one_write import OneWriteHTTPProtocol
 from .runtime.drain import DrainingServer
 from .runtime.plan import PLAN_FIELDS, memory_plan
@@ -125,7 +126,12 @@ def serve(settings: Settings) -> int:
         lifespan="on",
     )
     logging.getLogger("uvicorn.error").addFilter(ListeningMessage())
-    app = create_app(settings, on_fatal=lambda: setattr(server, "should_exit", True))
+    app = create_app(
+        settings,
+        on_fatal=lambda: setattr(server, "should_exit", True),
+        # A serving process only: a test process creates and drops many apps.
+        on_ready=freeze_startup_heap,
+    )
     runtime = app.state.runtime
     server = DrainingServer(
         config, drain=lambda: runtime.drain(settings.drain_timeout_s), abort=runtime.abort

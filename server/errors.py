@@ -237,6 +237,11 @@ def _describe_validation(exc: RequestValidationError) -> tuple[int, str, str]:
     return 422, "invalid_request", "; ".join(parts)
 
 
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """The error for a schema error, FastAPI's or the lean path's (``server/lean``)."""
+    return ApiError(*_describe_validation(exc))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -244,8 +249,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        status, kind, message = _describe_validation(exc)
-        return error_response(request, ApiError(status, kind, message))
+        return error_response(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:

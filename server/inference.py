@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,12 +9,9 @@ from fastapi import Request
 
 from models import ModelInfo, resolve_prompt, top_labels, truncate_dimensions
 
+from .disconnect import client_watch
 from .errors import ApiError
-from .runtime import ModelSlot, RequestTrace, Runtime
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its answer; its queued items were dropped."""
+from .runtime import ClientDisconnected, ModelSlot, RequestTrace, Runtime
 
 
 def runtime_of(request: Request) -> Runtime:
@@ -141,40 +136,23 @@ async def infer_for_request(
     timeout_s = min(timeout_s or config.default_timeout_s, config.max_timeout_s)
     slot = runtime.slot(model)
     name = slot.name
-    request.state.model = name
+    state = request.scope.setdefault("state", {})
+    state["model"] = name
     check_prompt(prompt_name, prompt)
     resolved = resolve_prompt(slot.info, prompt_name, prompt)
     # Read by the access log once the request has been answered.
-    request.state.trace = trace = RequestTrace()
-    work = asyncio.ensure_future(
-        runtime.infer(
+    state["trace"] = trace = RequestTrace()
+    # NOTE: awaited in the request's own task; the client's disconnect settles the wait
+    # through ``client`` (no second task watches receive() where the server tells us).
+    try:
+        outputs, num_tokens = await runtime.infer(
             inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
             priority=priority, model=name, query=query, trace=trace, prompt=resolved,
             truncation_direction=truncation_direction,
-        )
-    )  # fmt: skip
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            # The client went away: cancelling drops its queued items before compute.
-            work.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await watcher
-    # NOTE: cancel() only asks; the work task must have ended before it is read (reading it
-    # too early raised InvalidStateError: a silent 500 for every disconnect).
-    await asyncio.wait({work})
-    if work.cancelled():
-        request.state.error_type = "client_disconnected"
-        raise ClientDisconnected
-    outputs, num_tokens = work.result()
-    runtime.metrics.inputs.labels(name).inc(len(outputs))
-    runtime.metrics.input_tokens.labels(name).inc(num_tokens)
+            client=client_watch(request.scope, request.receive),
+        )  # fmt: skip
+    except ClientDisconnected:
+        state["error_type"] = "client_disconnected"
+        raise
+    runtime.metrics.count_answered(name, len(outputs), num_tokens)
     return outputs, num_tokens
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

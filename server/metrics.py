@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from batching.metrics import LATENCY_BUCKETS_S, latency_buckets
@@ -12,6 +14,10 @@ REJECTION_REASONS = (
 
 
 class ServerMetrics:
+    """The request-level series. The hot path goes through the ``count_*`` and ``observe_*``
+    methods, which resolve each labelled child once and keep it (``labels()`` takes a lock
+    and builds a key on every call)."""
+
     def __init__(
         self, registry: CollectorRegistry, *, max_latency_s: float = LATENCY_BUCKETS_S[-1]
     ) -> None:
@@ -61,3 +67,24 @@ class ServerMetrics:
             ["model"],
             registry=registry,
         )
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def count_request(self, endpoint: str, status: int, error_type: str) -> None:
+        self._child(self.requests, endpoint, str(status), error_type).inc()
+
+    def observe_duration(self, endpoint: str, model: str, seconds: float) -> None:
+        self._child(self.request_duration, endpoint, model).observe(seconds)
+
+    def count_rejection(self, reason: str) -> None:
+        self._child(self.rejections, reason).inc()
+
+    def count_answered(self, model: str, num_inputs: int, num_tokens: int) -> None:
+        self._child(self.inputs, model).inc(num_inputs)
+        self._child(self.input_tokens, model).inc(num_tokens)

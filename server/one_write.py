@@ -5,10 +5,11 @@ uvicorn writes a response's status line and headers when the app sends
 the two has handed Nginx a response head without its body. Nginx picks another replica only
 until it has read a response head (``proxy_next_upstream``, even with ``non_idempotent`` and
 buffering on), so that client got a 200 cut off after the head. Here everything written to a
-connection in one turn of the event loop leaves in one ``send()`` at the start of the next, and
-the app sends a response's head and body in the same turn: a replica that dies has sent Nginx
-either nothing of a response (retried elsewhere) or all of it: the kernel still delivers what
-one ``send()`` took after a SIGKILL (the request was read, so the close is a FIN, not a reset).
+connection in one turn of the event loop leaves in one ``send()`` at the start of the next, or
+at once when the response is complete, and the app sends a response's head and body in the same
+turn: a replica that dies has sent Nginx either nothing of a response (retried elsewhere) or
+all of it: the kernel still delivers what one ``send()`` took after a SIGKILL (the request was
+read, so the close is a FIN, not a reset).
 Only an answer larger than the socket's free send buffer still goes in parts (on loopback a
 1.2 MB answer, 256 inputs, went in one).
 """
@@ -19,6 +20,8 @@ import asyncio
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from .disconnect import EXTENSION, ConnectionWatch
 
 
 class CoalescingTransport(asyncio.Transport):
@@ -34,14 +37,15 @@ class CoalescingTransport(asyncio.Transport):
         if not data:
             return
         if not self._pending:
-            self._loop.call_soon(self._flush)
+            self._loop.call_soon(self.flush)
         self._pending.append(bytes(data))
 
     def writelines(self, list_of_data: Any) -> None:
         for data in list_of_data:
             self.write(data)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Send what is held now, in one write."""
         if not self._pending:
             return
         data = b"".join(self._pending)
@@ -52,11 +56,11 @@ class CoalescingTransport(asyncio.Transport):
             self._transport.write(data)
 
     def close(self) -> None:
-        self._flush()
+        self.flush()
         self._transport.close()
 
     def write_eof(self) -> None:
-        self._flush()
+        self.flush()
         self._transport.write_eof()
 
     def abort(self) -> None:
@@ -98,7 +102,27 @@ class CoalescingTransport(asyncio.Transport):
 
 
 class OneWriteHTTPProtocol(AutoHTTPProtocol):
-    """uvicorn's HTTP/1.1 protocol (httptools, else h11) writing through a CoalescingTransport."""
+    """uvicorn's HTTP/1.1 protocol (httptools, else h11) writing through a CoalescingTransport.
+
+    With httptools it also gives each request's scope the connection's ``ConnectionWatch``
+    (``server/disconnect.py``), told when the connection is lost."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.watch = ConnectionWatch()
         super().connection_made(CoalescingTransport(transport, asyncio.get_running_loop()))
+
+    def on_message_begin(self) -> None:
+        # NOTE: a callback of httptools' parser, which h11's protocol does not have: there
+        # requests carry no watch and the app falls back to waiting on receive().
+        super().on_message_begin()  # type: ignore[misc]
+        self.scope["extensions"] = {EXTENSION: self.watch}
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.watch.connection_lost()
+
+    def on_response_complete(self) -> None:
+        # The response's last body message was just written: head and body are all held, so
+        # they leave now, in one write, rather than at the loop's next turn.
+        self.transport.flush()
+        super().on_response_complete()

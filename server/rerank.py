@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import orjson
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WithJsonSchema
 from starlette.responses import Response
+from starlette.types import ASGIApp
 
-from .errors import ApiError, error_response, request_id_of, to_api_error
-from .inference import ClientDisconnected, check_inputs, infer_for_request, slot_for_task
-from .routes import ERROR_RESPONSES, require_json, require_serving
+from .errors import ApiError, error_response, request_id_of, validation_error
+from .inference import check_inputs, infer_for_request, slot_for_task
+from .lean import JsonAnswer, encode_json, lean_route, parse_body
+from .routes import ERROR_RESPONSES, read_json_request, require_json, require_serving
 from .schemas import Usage
 
 _TEXT = {"type": "string", "minLength": 1}
@@ -74,17 +75,12 @@ class RerankResponse(BaseModel):
 
 
 router = APIRouter()
+_RERANK_BODY = TypeAdapter(RerankRequest)
 
 
-@router.post(
-    "/v1/rerank",
-    response_model=RerankResponse,
-    response_model_exclude_none=True,
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_serving), Depends(require_json)],
-    summary="Rerank documents against a query (cross-encoder)",
-)
-async def rerank(body: RerankRequest, request: Request) -> Response:
+async def handle_rerank(request: Request) -> ASGIApp:
+    """``POST /v1/rerank`` on the lean path (``server/lean``)."""
+    body = parse_body(_RERANK_BODY, await read_json_request(request))
     slot = slot_for_task(request, body.model, ("rerank",), "/v1/rerank", default_task="rerank")
     if not body.query:
         raise ApiError(400, "empty_input", "query is empty")
@@ -101,15 +97,17 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
             f"got {top_n}",
         )  # fmt: skip
     request_id = request_id_of(request)
-    try:
-        scores, num_tokens = await infer_for_request(
-            request, body.documents, request_id=request_id, model=slot.name, query=body.query,
-            truncation_direction=body.truncation_direction,
-        )  # fmt: skip
-    except ClientDisconnected:
-        return Response(status_code=499)
-    except Exception as exc:
-        return error_response(request, to_api_error(exc))
+    scores, num_tokens = await infer_for_request(
+        request, body.documents, request_id=request_id, model=slot.name, query=body.query,
+        truncation_direction=body.truncation_direction,
+    )  # fmt: skip
+    return JsonAnswer(encode_rerank_answer(body, slot.name, scores, top_n, num_tokens, request_id))
+
+
+def encode_rerank_answer(
+    body: RerankRequest, model: str, scores: list[float], top_n: int, num_tokens: int,
+    request_id: str,
+) -> bytes:  # fmt: skip
     ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:top_n]
     results = []
     for index in ranked:
@@ -117,10 +115,31 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
         if body.return_documents:
             result["document"] = {"text": body.documents[index]}
         results.append(result)
-    payload = {
-        "model": slot.name,
-        "results": results,
-        "usage": {"input_tokens": num_tokens},
-        "request_id": request_id,
-    }
-    return Response(orjson.dumps(payload), media_type="application/json")
+    return encode_json(
+        {
+            "model": model,
+            "results": results,
+            "usage": {"input_tokens": num_tokens},
+            "request_id": request_id,
+        }
+    )
+
+
+# The OpenAPI entry of POST /v1/rerank; ``handle_rerank`` serves it (``server/lean``).
+async def rerank(body: RerankRequest, request: Request) -> Response:
+    raise AssertionError("handle_rerank serves this route")
+
+
+router.add_api_route(
+    "/v1/rerank",
+    rerank,
+    methods=["POST"],
+    response_model=RerankResponse,
+    response_model_exclude_none=True,
+    responses=ERROR_RESPONSES,
+    dependencies=[Depends(require_serving), Depends(require_json)],
+    summary="Rerank documents against a query (cross-encoder)",
+    route_class_override=lean_route(
+        handle_rerank, render=error_response, validation=validation_error
+    ),
+)

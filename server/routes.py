@@ -6,18 +6,36 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, Header, Request
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import Field, TypeAdapter, ValidationError
 from starlette.responses import Response
+from starlette.types import ASGIApp
 
-from .errors import ApiError, draining, error_response, not_ready, request_id_of, to_api_error
+from .errors import (
+    ApiError,
+    draining,
+    error_response,
+    not_ready,
+    request_id_of,
+    validation_error,
+)
 from .inference import (
-    ClientDisconnected,
     check_dimensions,
     check_inputs,
     check_top_k,
     infer_for_request,
     shape_outputs,
     slot_for_task,
+)
+from .lean import (
+    JsonAnswer,
+    encode_json,
+    is_json_media_type,
+    lean_route,
+    parse_body,
+    read_body,
+    validation_errors,
 )
 from .runtime import Runtime
 from .schemas import ErrorBody, InferRequest, InferResponse, ModelList, Status
@@ -80,63 +98,114 @@ async def require_json(request: Request) -> None:
     NOTE: async on purpose: FastAPI runs a plain ``def`` dependency in its thread pool, a
     thread hop (and a worker thread) per request."""
     content_type = request.headers.get("content-type")
-    if content_type is None:
-        return
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    if media_type != "application/json" and not media_type.endswith("+json"):
+    if not is_json_media_type(content_type):
+        media_type = (content_type or "").split(";", 1)[0].strip().lower()
         raise ApiError(
             415, "unsupported_media_type", f"content type {media_type!r} is not application/json"
         )
 
 
-@router.post(
-    "/v1/infer",
-    response_model=InferResponse,
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_serving), Depends(require_json)],
-)
-async def infer(
-    body: InferRequest,
-    request: Request,
-    x_timeout_s: Annotated[
-        float | None,
-        Header(
-            alias="X-Timeout-S", gt=0, allow_inf_nan=False,
-            description="Deadline in seconds, as timeout_s in the body; the smaller wins.",
-        ),
-    ] = None,
-) -> Response:  # fmt: skip
+async def read_json_request(request: Request) -> bytes:
+    """The body of a request to one of our JSON routes: 503 while draining (Nginx retries it
+    elsewhere), 415 for a body declared as something else."""
+    body = await read_body(request.receive)
+    await require_serving(request)
+    await require_json(request)
+    return body
+
+
+TimeoutHeader = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+TIMEOUT_HEADER = "X-Timeout-S"
+_INFER_BODY = TypeAdapter(InferRequest)
+_TIMEOUT_HEADER = TypeAdapter(TimeoutHeader)
+
+
+def timeout_header(request: Request) -> tuple[float | None, list[dict[str, Any]]]:
+    """``X-Timeout-S`` as a number, or the errors FastAPI would report for it."""
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None, []
+    try:
+        return _TIMEOUT_HEADER.validate_python(value), []
+    except ValidationError as exc:
+        return None, [
+            {**error, "loc": ("header", TIMEOUT_HEADER)} for error in validation_errors(exc)
+        ]
+
+
+def parse_infer_request(request: Request, raw: bytes) -> tuple[InferRequest, float | None]:
+    """The body and the timeout header, failing as one schema error for both."""
+    header_timeout, header_errors = timeout_header(request)
+    try:
+        body = parse_body(_INFER_BODY, raw)
+    except RequestValidationError as exc:
+        if not header_errors or any(e["type"] == "json_invalid" for e in exc.errors()):
+            raise
+        raise RequestValidationError([*header_errors, *exc.errors()]) from None
+    if header_errors:
+        raise RequestValidationError(header_errors)
+    return body, header_timeout
+
+
+async def handle_infer(request: Request) -> ASGIApp:
+    """``POST /v1/infer`` on the lean path (``server/lean``)."""
+    body, header_timeout = parse_infer_request(request, await read_json_request(request))
     runtime = _runtime(request)
-    config = runtime.config
     request_id = request_id_of(request)
     slot = slot_for_task(request, body.model, ("embed", "classify"), "/v1/infer")
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     check_inputs(runtime, inputs)
     check_dimensions(slot.info, body.dimensions)
     check_top_k(slot.info, body.top_k)
-    asked = [t for t in (body.timeout_s, x_timeout_s) if t is not None]
-    timeout_s = min(asked, default=config.default_timeout_s)
-    try:
-        outputs, num_tokens = await infer_for_request(
-            request, inputs, request_id=request_id, truncate=body.truncate,
-            timeout_s=timeout_s, priority=body.priority, model=slot.name,
-            prompt_name=body.prompt_name, prompt=body.prompt,
-            truncation_direction=body.truncation_direction,
-        )  # fmt: skip
-    except ClientDisconnected:
-        return Response(status_code=499)
-    except Exception as exc:
-        return error_response(request, to_api_error(exc))
-    return _json(
+    asked = [t for t in (body.timeout_s, header_timeout) if t is not None]
+    timeout_s = min(asked, default=runtime.config.default_timeout_s)
+    outputs, num_tokens = await infer_for_request(
+        request, inputs, request_id=request_id, truncate=body.truncate,
+        timeout_s=timeout_s, priority=body.priority, model=slot.name,
+        prompt_name=body.prompt_name, prompt=body.prompt,
+        truncation_direction=body.truncation_direction,
+    )  # fmt: skip
+    outputs = shape_outputs(slot.info, outputs, dimensions=body.dimensions, top_k=body.top_k)
+    return JsonAnswer(encode_infer_answer(slot.name, outputs, num_tokens, request_id))
+
+
+def encode_infer_answer(model: str, outputs: list[Any], num_tokens: int, request_id: str) -> bytes:
+    return encode_json(
         {
-            "model": slot.name,
-            "outputs": shape_outputs(
-                slot.info, outputs, dimensions=body.dimensions, top_k=body.top_k
-            ),
+            "model": model,
+            "outputs": outputs,
             "usage": {"input_tokens": num_tokens},
             "request_id": request_id,
         }
     )
+
+
+# The OpenAPI entry of POST /v1/infer; ``handle_infer`` serves it (``server/lean``).
+async def infer(
+    body: InferRequest,
+    request: Request,
+    x_timeout_s: Annotated[
+        float | None,
+        Header(
+            alias=TIMEOUT_HEADER, gt=0, allow_inf_nan=False,
+            description="Deadline in seconds, as timeout_s in the body; the smaller wins.",
+        ),
+    ] = None,
+) -> Response:  # fmt: skip
+    raise AssertionError("handle_infer serves this route")
+
+
+router.add_api_route(
+    "/v1/infer",
+    infer,
+    methods=["POST"],
+    response_model=InferResponse,
+    responses=ERROR_RESPONSES,
+    dependencies=[Depends(require_serving), Depends(require_json)],
+    route_class_override=lean_route(
+        handle_infer, render=error_response, validation=validation_error
+    ),
+)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=NOT_READY_RESPONSES)

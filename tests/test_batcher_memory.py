@@ -66,21 +66,37 @@ async def test_the_binding_limit_is_one_gauge_series_labelled_by_its_source(harn
     assert sample(h, "batchfit_memory_limit_bytes", source="host") is None
 
 
-async def test_adaptive_budget_follows_free_memory(harness_factory):
+class TakesMemory(ScriptedModel):
+    """While its next forward pass runs, someone else takes memory: ``probe`` then reads
+    ``free_bytes`` (once)."""
+
+    def __init__(self, probe):
+        super().__init__()
+        self.probe, self.free_bytes = probe, None
+
+    def forward(self, items):
+        if self.free_bytes is not None:
+            self.probe.free_bytes, self.free_bytes = self.free_bytes, None
+        return super().forward(items)
+
+
+async def test_adaptive_budget_follows_free_memory(harness_factory, clock):
     # 1 MiB per item (prior: alpha = 1 MiB / 3 tokens); 10 MiB free, 10% headroom: 9 items.
     prior = PeakModel(alpha=2**20 / 3, beta=0.0)
     sizer = AdaptiveSizer(
         prior,
         AdaptiveConfig(max_items=32, max_tokens=10_000, headroom_fraction=0.1, safety_factor=1.0),
     )
-    model = ScriptedModel()
     probe = ScriptedProbe(free_bytes=10 * 2**20)
+    model = TakesMemory(probe)
     h = harness_factory(model=model, sizer=sizer, probe=probe)
-    h.submit(["w"] * 20)  # 3 tokens each
+    h.submit(["w"] * 30)  # 3 tokens each
+    model.free_bytes = 4 * 2**20  # someone else takes memory while the first batch runs
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
-    probe.free_bytes = 4 * 2**20  # someone else took memory: the next batch shrinks
+    # The reading taken on the model thread just after that batch sizes the next one.
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
     assert model.batch_sizes == [9, 3]
+    assert h.batcher.num_loop_readings == 1  # the first batch's; the second came with it
     assert sample(h, "batchfit_batch_budget_bytes", model="scripted") == pytest.approx(
         0.9 * 4 * 2**20
     )
@@ -89,6 +105,12 @@ async def test_adaptive_budget_follows_free_memory(harness_factory):
         3 * 2**20
     )
     assert sample(h, "batchfit_memory_headroom_bytes", model="scripted") == pytest.approx(2**20)
+    # Memory freed while idle for longer than a reading stays fresh: the loop reads again.
+    probe.free_bytes = 10 * 2**20
+    clock.advance(h.batcher.config.max_reading_age_s * 2)
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert model.batch_sizes == [9, 3, 9]
+    assert h.batcher.num_loop_readings == 2
 
 
 class OomAbove:
@@ -162,4 +184,6 @@ async def test_while_the_probe_fails_the_budget_keeps_its_last_reading_and_the_c
     assert await sizes(5) == [2, 2, 1]
     assert sample(h, "batchfit_probe_error", probe="flaky") == 0
     flaky.free_bytes = 20 * MiB
+    # Past the age at which the reading taken after the last batch still sizes the next one.
+    clock.advance(h.batcher.config.max_reading_age_s + 0.1)
     assert await sizes(7) == [6, 1]  # plenty free: the proven ceiling binds

@@ -1,13 +1,14 @@
 """The load generator against a small loopback HTTP server that records what it receives."""
 
 import asyncio
+import socket
 import time
 
 import orjson
 import pytest
 from aiohttp import web
 
-from bench.loadgen import closed_loop, open_loop
+from bench.loadgen import CLIENTS, closed_loop, open_loop
 
 
 @pytest.fixture
@@ -31,17 +32,31 @@ async def echo_server():
     await runner.cleanup()
 
 
-async def test_closed_loop_sends_each_request_once_and_runs_the_hook_between(echo_server):
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_closed_loop_sends_each_request_once_and_runs_the_hook_between(echo_server, client):
     url, seen = echo_server
     requests = [["a"], ["b", "c"], ["reject"], ["d"]]
     calls: list[tuple[int, int]] = []
-    run = await closed_loop(url, requests, concurrency=1, max_duration_s=30,
+    run = await closed_loop(url, requests, concurrency=1, max_duration_s=30, client=client,
                             after_each=lambda i: calls.append((i, len(seen))))  # fmt: skip
     assert seen == requests
     # The hook ran after request i was answered and before request i + 1 was sent.
     assert calls == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert [o.status for o in run.outcomes] == [200, 200, 429, 200]
     assert [o.num_inputs for o in run.outcomes] == [1, 2, 1, 1]
+
+
+async def test_a_refused_connection_is_status_zero_with_either_client():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there once closed
+    for client in CLIENTS:
+        run = await closed_loop(f"http://127.0.0.1:{port}", [["a"]], concurrency=1,
+                                max_duration_s=10, timeout_s=5, client=client)  # fmt: skip
+        assert [o.status for o in run.outcomes] == [0]
+    with pytest.raises(ValueError, match="unknown client"):
+        await closed_loop(f"http://127.0.0.1:{port}", [["a"]], concurrency=1,
+                          max_duration_s=1, client="curl")  # fmt: skip
 
 
 async def test_the_hook_needs_one_client(echo_server):

@@ -9,9 +9,10 @@ import pytest
 from bench.limit import LimitResult, cheapest_batches, ideal_batches
 from bench.loadgen import Outcome
 from bench.report import BATCH_COLOR, load_table, plot_timeline, render_markdown, write_report
-from bench.runner import BenchOptions, BenchResult, quick_options, targets
+from bench.runner import BenchOptions, BenchResult, quick_options
 from bench.sampler import Sample, batch_size_series
 from bench.stats import batching_figures, parse_scrape, percentile, summarize
+from bench.targets import targets
 
 LIMIT = LimitResult(
     num_inputs=100, num_batches=4, compute_s=0.5, inputs_per_s=200.0, mean_batch_size=25.0,
@@ -189,13 +190,16 @@ def test_no_fixed_target_without_a_fixed_configuration():
     assert "adaptive vs the best fixed configuration at every level" not in names
 
 
-def test_overhead_section_shows_server_cpu_per_request():
+def test_overhead_section_shows_server_cpu_per_request_beside_the_bare_stack():
     result = make_result()
     result.overhead = [summarize("no-op model", "c=1", outcomes([1.2] * 10, inputs=1), 0.5,
                                  cpu_s=0.011)]  # fmt: skip
+    result.bare = [summarize("bare stack", "c=1", outcomes([0.4] * 10, inputs=1), 0.25,
+                             cpu_s=0.003)]  # fmt: skip
     text = render_markdown(result, command="batchfit bench", plots=False)
     assert "## Server overhead" in text
-    assert "| c=1 | 20 | 1.20 | 1.20 | 1.10 | 0 |" in text
+    assert "| no-op model | c=1 | 20 | 1.20 | 1.20 | 1.20 | 1.100 | 0 |" in text
+    assert "| bare stack | c=1 | 40 | 0.40 | 0.40 | 0.40 | 0.300 | 0 |" in text
     assert "## Server overhead" not in render_markdown(make_result(), command="b", plots=False)
 
 
@@ -229,3 +233,38 @@ def test_the_timeline_draws_a_batch_size_series_of_one_point(tmp_path):
         (abs(top[..., 0] - r) < 0.1) & (abs(top[..., 1] - g) < 0.1) & (abs(top[..., 2] - b) < 0.1)
     )
     assert close.sum() >= 9, close.sum()
+
+
+def single(config, load, latency_ms, wall_s, *, client="aiohttp", count=10):
+    return summarize(config, load, outcomes([latency_ms] * count, inputs=1), wall_s,
+                     client=client)  # fmt: skip
+
+
+def test_targets_against_the_bare_stack_the_no_batching_server_and_another_client():
+    result = make_result()
+    result.overhead = [single("no-op model", "c=1", 0.5, 0.005),
+                       single("no-op model", "c=32", 4, 0.05, count=100)]  # fmt: skip
+    result.bare = [single("bare stack", "c=1", 0.4, 0.004),
+                   single("bare stack", "c=32", 3, 0.04, count=100)]  # fmt: skip
+    result.no_batching = [single("no batching", "idle c=1", 6.0, 1.0),
+                          single("no batching", "idle c=1", 4.0, 1.0, client="httpx")]  # fmt: skip
+    result.other_clients = [
+        single("adaptive", "idle c=1", 5.0, 1.0, client="httpx"),
+        single("adaptive", "c=16", 50, 0.5, client="httpx", count=50),
+    ]
+    by_name = {t.name: t for t in targets(result)}
+    busy = by_name["no-op model vs the bare stack, c=32: throughput"]
+    assert busy.ratio == pytest.approx(2000 / 2500) and busy.met
+    quiet = by_name["no-op model vs the bare stack, c=1: mean latency vs bare + 0.15 ms"]
+    assert quiet.ratio == pytest.approx(0.5 / 0.55) and quiet.met
+    assert quiet.measured == "0.500 vs 0.400 + 0.15 ms (aiohttp)"
+    aiohttp = by_name["one-client p50 vs the no-batching server (aiohttp)"]
+    assert aiohttp.ratio == pytest.approx(5 / 6) and aiohttp.met
+    httpx = by_name["one-client p50 vs the no-batching server (httpx)"]
+    assert httpx.ratio == pytest.approx(5 / 4) and httpx.met is False
+    other = by_name["saturation throughput vs in-process limit (httpx client)"]
+    assert other.ratio == pytest.approx(100 / 200) and other.met is None
+    text = render_markdown(result, command="batchfit bench", plots=False)
+    assert "## Against a server without batching, and with another client" in text
+    assert "| no batching | idle c=1 | httpx | 10.0 | 4.0 |" in text
+    assert "| saturation throughput vs in-process limit (httpx client) |" in text

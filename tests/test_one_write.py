@@ -141,3 +141,23 @@ async def test_abort_and_a_lost_connection_drop_what_is_held():
     await asyncio.sleep(0)
     assert aborted.writes == [] and aborted.closed
     assert lost.writes == []
+
+
+async def test_a_complete_response_leaves_at_once_rather_than_at_the_next_turn():
+    seen: dict[str, list[bytes]] = {}
+    transport = RecordingTransport()
+
+    async def answering(scope, receive, send) -> None:
+        await app(scope, receive, send)
+        seen["when the body was sent"] = list(transport.writes)
+
+    config = uvicorn.Config(answering, log_config=None, lifespan="off", access_log=False)
+    protocol = OneWriteHTTPProtocol(config=config, server_state=ServerState(), app_state={})
+    protocol.connection_made(transport)
+    protocol.data_received(request())
+    async with asyncio.timeout(5):  # a guard against hangs
+        while "when the body was sent" not in seen:
+            await asyncio.sleep(0)
+    (whole,) = seen["when the body was sent"]
+    assert whole.startswith(b"HTTP/1.1 200 OK\r\n") and whole.endswith(b"\r\n\r\n" + BODY)
+    protocol.connection_lost(None)

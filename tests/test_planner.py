@@ -18,6 +18,7 @@ def budget(items=8, tokens=1000, max_bytes=None, per_token=None):
     [
         ([], budget(), ()),
         ([10], budget(), (0,)),
+        ([500], budget(tokens=100), (0,)),
         # Everything fits.
         ([10, 10, 10], budget(), (0, 1, 2)),
         # Item cap.
@@ -43,6 +44,15 @@ def test_plan_batch(costs, limits, expected):
     if costs:
         assert 0 in plan.indices
         assert plan.padded_len == max(costs[i] for i in plan.indices)
+
+
+def test_a_lone_item_is_planned_without_the_time_model():
+    # An idle server plans every batch from one item: no partition of the queue to weigh.
+    def boom(num_items, padded_len):
+        raise AssertionError("predicted a batch of one")
+
+    plan = plan_batch([40], budget(), predict_time=boom)
+    assert plan.indices == (0,) and plan.padded_len == 40 and plan.real_tokens == 40
 
 
 def test_plan_prefers_higher_priority_batch_mates():

@@ -16,11 +16,13 @@ import orjson
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import Response
+from starlette.types import ASGIApp
 
 from models import ModelInfo
 
 from ..errors import ApiError, not_ready, request_id_of
 from ..inference import check_inputs, infer_for_request, runtime_of, shape_outputs
+from ..lean import JsonAnswer, encode_json, lean_route, read_body
 from ..runtime import ModelSlot
 from .kserve_schemas import (
     HEADER_LENGTH,
@@ -34,7 +36,7 @@ from .kserve_schemas import (
     ServerMetadata,
     V2Error,
 )
-from .routes import describe_pydantic, protocol_route, retry_headers
+from .routes import describe_pydantic, protocol_route, protocol_validation, retry_headers
 
 INPUT_NAME = "text"
 MODEL_VERSION = "1"
@@ -136,25 +138,40 @@ def _ready(request: Request, name: str, version: str | None) -> Response:
     return _json({"name": slot.name, "ready": ready}, 200 if ready else 503)
 
 
-@router.post(
-    "/v2/models/{name:path}/versions/{version}/infer",
-    response_model=InferenceResponse, responses=ERRORS, openapi_extra=REQUEST_BODY,
-    summary="Infer with a model version",
-)  # fmt: skip
+async def handle_infer(request: Request) -> ASGIApp:
+    """Both v2 infer paths on the lean path (``server/lean``)."""
+    params = request.path_params
+    return await _infer(request, params["name"], params.get("version"))
+
+
+_LEAN_ROUTE = lean_route(
+    handle_infer, render=v2_error_response, validation=protocol_validation(400)
+)
+
+
+# The OpenAPI entries of the v2 infer paths; ``handle_infer`` serves them (``server/lean``).
 async def model_version_infer(request: Request, name: str, version: str) -> Response:
-    return await _infer(request, name, version)
+    raise AssertionError("handle_infer serves this route")
 
 
-@router.post(
-    "/v2/models/{name:path}/infer",
-    response_model=InferenceResponse, responses=ERRORS, openapi_extra=REQUEST_BODY,
-    summary="Infer",
-)  # fmt: skip
 async def model_infer(request: Request, name: str) -> Response:
-    return await _infer(request, name, None)
+    raise AssertionError("handle_infer serves this route")
 
 
-async def _infer(request: Request, name: str, version: str | None) -> Response:
+# NOTE: the version path first: {name:path} would take "m/versions/1" as a model name.
+router.add_api_route(
+    "/v2/models/{name:path}/versions/{version}/infer", model_version_infer, methods=["POST"],
+    response_model=InferenceResponse, responses=ERRORS, openapi_extra=REQUEST_BODY,
+    summary="Infer with a model version", route_class_override=_LEAN_ROUTE,
+)  # fmt: skip
+router.add_api_route(
+    "/v2/models/{name:path}/infer", model_infer, methods=["POST"],
+    response_model=InferenceResponse, responses=ERRORS, openapi_extra=REQUEST_BODY,
+    summary="Infer", route_class_override=_LEAN_ROUTE,
+)  # fmt: skip
+
+
+async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
     slot = _slot(request, name, version)
     info = slot.info
     if not runtime_of(request).ready:
@@ -164,7 +181,7 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
             400, "wrong_task",
             f"{slot.name} is a {info.task} model; rerankers answer POST /v1/rerank",
         )  # fmt: skip
-    raw = await request.body()
+    raw = await read_body(request.receive)
     body, binary = _split_body(raw, request.headers.get(HEADER_LENGTH))
     try:
         infer_request = InferenceRequest.model_validate_json(body)
@@ -316,7 +333,7 @@ def _requested_outputs(
 
 def _response(
     model_name: str, request_id: str | None, outputs: list[tuple[str, str, np.ndarray, bool]]
-) -> Response:
+) -> JsonAnswer:
     tensors, chunks = [], []
     for name, kind, array, binary in outputs:
         tensor: dict[str, Any] = {"name": name, "datatype": kind, "shape": list(array.shape)}
@@ -333,13 +350,13 @@ def _response(
     if request_id is not None:
         body["id"] = request_id
     body["outputs"] = tensors
-    header = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    header = encode_json(body)
     if not chunks:
-        return Response(header, media_type="application/json")
-    return Response(
+        return JsonAnswer(header)
+    return JsonAnswer(
         header + b"".join(chunks),
-        media_type="application/octet-stream",
-        headers={HEADER_LENGTH: str(len(header))},
+        media_type=b"application/octet-stream",
+        headers=[(HEADER_LENGTH.lower().encode(), str(len(header)).encode())],
     )
 
 

@@ -12,8 +12,9 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from starlette.responses import Response
+from starlette.types import ASGIApp
 
 from models import UnknownPrompt
 
@@ -26,7 +27,8 @@ from ..inference import (
     shape_outputs,
     slot_for_task,
 )
-from .routes import protocol_route, retry_headers
+from ..lean import JsonAnswer, encode_json, is_json_media_type, lean_route, parse_body, read_body
+from .routes import protocol_route, protocol_validation, retry_headers
 
 OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error"}
 
@@ -137,13 +139,14 @@ router = APIRouter(
 )
 
 
-@router.post(
-    "/v1/embeddings",
-    response_model=EmbeddingResponse,
-    responses=ERROR_RESPONSES,
-    summary="Create embeddings (OpenAI-compatible)",
-)
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+_EMBEDDING_BODY = TypeAdapter(EmbeddingRequest)
+
+
+async def handle_embeddings(request: Request) -> ASGIApp:
+    """``POST /v1/embeddings`` on the lean path (``server/lean``)."""
+    raw = await read_body(request.receive)
+    declared_json = is_json_media_type(request.headers.get("content-type"))
+    body = parse_body(_EMBEDDING_BODY, raw, declared_json=declared_json)
     runtime = runtime_of(request)
     try:
         slot = slot_for_task(request, body.model, ("embed",), "/v1/embeddings")
@@ -169,20 +172,42 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     except UnknownPrompt as exc:
         raise ParamError(400, "unknown_prompt", str(exc), "prompt_name") from None
     outputs = shape_outputs(slot.info, outputs, dimensions=body.dimensions)
+    return JsonAnswer(encode_embeddings(slot.name, outputs, num_tokens, body.encoding_format))
+
+
+def encode_embeddings(model: str, outputs: list[Any], num_tokens: int, encoding: str) -> bytes:
+    """float: each vector written by orjson from its float32 buffer; base64: the buffer's
+    little-endian bytes, encoded without a copy."""
     data = []
     for index, output in enumerate(outputs):
         vector = np.asarray(output, dtype="<f4")
-        if body.encoding_format == "base64":
-            embedding: Any = base64.b64encode(vector.tobytes()).decode("ascii")
+        if encoding == "base64":
+            embedding: Any = base64.b64encode(np.ascontiguousarray(vector).data).decode("ascii")
         else:
             embedding = vector
         data.append({"object": "embedding", "index": index, "embedding": embedding})
     payload = {
         "object": "list",
         "data": data,
-        "model": slot.name,
+        "model": model,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
-    return Response(
-        orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
-    )
+    return encode_json(payload)
+
+
+# The OpenAPI entry of POST /v1/embeddings; ``handle_embeddings`` serves it (``server/lean``).
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    raise AssertionError("handle_embeddings serves this route")
+
+
+router.add_api_route(
+    "/v1/embeddings",
+    create_embeddings,
+    methods=["POST"],
+    response_model=EmbeddingResponse,
+    responses=ERROR_RESPONSES,
+    summary="Create embeddings (OpenAI-compatible)",
+    route_class_override=lean_route(
+        handle_embeddings, render=openai_error_response, validation=protocol_validation(400)
+    ),
+)

@@ -32,7 +32,7 @@ def protocol_route(render: ErrorRenderer, validation_status: int) -> type[APIRou
                 except ClientDisconnected:
                     return Response(status_code=499)
                 except RequestValidationError as exc:
-                    error = ApiError(validation_status, "invalid_request", describe(exc.errors()))
+                    error = protocol_validation(validation_status)(exc)
                 except Exception as exc:
                     error = to_api_error(exc)  # logs what is not ours
                 request.state.error_type = error.error_type
@@ -41,6 +41,15 @@ def protocol_route(render: ErrorRenderer, validation_status: int) -> type[APIRou
             return handle
 
     return ProtocolRoute
+
+
+def protocol_validation(status: int) -> Callable[[RequestValidationError], ApiError]:
+    """Schema errors as a protocol answers them: ``status``, ``invalid_request``."""
+
+    def validation(exc: RequestValidationError) -> ApiError:
+        return ApiError(status, "invalid_request", describe(exc.errors()))
+
+    return validation
 
 
 def describe(errors: Sequence[Any]) -> str:

@@ -4,11 +4,15 @@ from .runtime import INLINE_TOKENIZE_CHARS, Runtime
 from .slot import ModelSlot, make_sizer
 from .trace import RequestTrace
 from .tracking import WorkTracker
+from .waiting import ClientDisconnected, ClientWatch, RequestWait
 
 __all__ = [
     "INLINE_TOKENIZE_CHARS",
+    "ClientDisconnected",
+    "ClientWatch",
     "ModelSlot",
     "RequestTrace",
+    "RequestWait",
     "Runtime",
     "WorkTracker",
     "make_sizer",

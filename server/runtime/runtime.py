@@ -7,7 +7,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,12 +37,14 @@ from ..settings import Settings
 from .announce import ready_line
 from .slot import ModelSlot, by_name, make_sizer, make_slots, prepare_call
 from .threads import thread_count
+from .tokenize import measure_inline_limit
 from .trace import RequestTrace
 from .tracking import WorkTracker
+from .waiting import ClientDisconnected, ClientWatch, RequestWait
 
 log = logging.getLogger("batchfit")
 
-# Requests with more text than this are tokenized off the event loop.
+# Until a model's own limit is measured at start-up (``tokenize.py``).
 INLINE_TOKENIZE_CHARS = 4096
 
 
@@ -51,7 +52,8 @@ class Runtime:
     """Owns one replica's models (one ``ModelSlot`` each), model thread, queue and batcher.
 
     ``model`` (and ``sizer``) replace the default model's loading (tests, custom wiring);
-    ``models`` replaces every model, by name, in the order given.
+    ``models`` replaces every model, by name, in the order given. ``on_ready`` runs once,
+    just before the replica turns ready; ``on_fatal`` when it cannot go on.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class Runtime:
         sizer: Sizer | None = None,
         probe: MemoryProbe | None = None,
         on_fatal: Callable[[], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.config = settings.server_config()
@@ -94,12 +97,13 @@ class Runtime:
         self.model_thread = ModelThread()
         # Tokenizes large requests off the event loop; one thread, started before any
         # memory limit applies (a capped address space may have no room for a new stack).
-        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="batchfit-tokenize")
+        self.tokenizer_thread = ModelThread("batchfit-tokenize")
         # Wraps the batcher's forward calls, so traces are recorded on the model thread.
         self.profiler = BatchProfiler(Path(settings.profile_dir))
         self.batcher: Batcher | None = None
         self.startup_error: BaseException | None = None
         self._on_fatal = on_fatal
+        self._on_ready = on_ready
         self._task: asyncio.Task[None] | None = None
         self._release_task: asyncio.Task[None] | None = None
         self._started = False
@@ -176,7 +180,9 @@ class Runtime:
             # The first forward pass starts torch's thread pool; start every thread before a
             # memory limit caps the address space.
             await self.model_thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
-        await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, int)
+        await self.tokenizer_thread.call(int)
+        for slot in self._slots:
+            await self._place_tokenizing(slot)
         if self.settings.memory_limit is not None and info.device == "cpu":
             self._limit_host_memory(self.settings.memory_limit)
         self._log_memory_limit()
@@ -211,6 +217,8 @@ class Runtime:
                 self._release_memory_when_quiet(self.settings.memory_release_idle_s),
                 name="batchfit-release-memory",
             )
+        if self._on_ready is not None:
+            self._on_ready()  # before readiness: nothing is in flight yet
         self._started = True
         self.phase = "ready"
         self.metrics.ready.set(1)
@@ -232,6 +240,31 @@ class Runtime:
         self.metrics.model.labels(slot.name).info(
             {"name": info.name, "task": info.task, "device": info.device, "dtype": info.dtype}
         )
+
+    async def _place_tokenizing(self, slot: ModelSlot) -> None:
+        """Measure up to how much text ``slot``'s requests are worth tokenizing inline."""
+        assert slot.model is not None
+        model = slot.model
+
+        def prepare(texts: list[str]) -> object:
+            return model.prepare(texts, truncate=True)
+
+        try:
+            limit, costs, handoff_s = await measure_inline_limit(
+                prepare, lambda: self.tokenizer_thread.call(int)
+            )
+        except Exception as exc:  # a custom model that cannot tokenize plain words
+            log.warning("model %s: tokenizing not measured (%s)", slot.name, exc)
+            slot.inline_tokenize_chars = INLINE_TOKENIZE_CHARS
+            return
+        slot.inline_tokenize_chars = limit
+        log.info(
+            "model %s: tokenized on the event loop up to %s characters (inline: %s; the "
+            "hand-off to the tokenizer thread: %.0f us)",
+            slot.name, "any number of" if limit == float("inf") else f"{limit:.0f}",
+            ", ".join(f"{chars} chars {cost * 1e6:.0f} us" for chars, cost in costs.items()),
+            handoff_s * 1e6,
+        )  # fmt: skip
 
     def _limit_host_memory(self, limit_bytes: int) -> None:
         assert self.probe is not None
@@ -358,10 +391,8 @@ class Runtime:
                 await self.model_thread.call(self.profiler.finish)
             # Waits for a running forward pass on an existing thread (no new one under a
             # memory limit).
-            await asyncio.get_running_loop().run_in_executor(
-                self.tokenizer_thread, self.model_thread.close
-            )
-        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            await self.tokenizer_thread.call(self.model_thread.close)
+        self.tokenizer_thread.close(wait=False)
 
     async def infer(
         self,
@@ -376,12 +407,15 @@ class Runtime:
         trace: RequestTrace | None = None,
         prompt: str | None = None,
         truncation_direction: str | None = None,
+        client: ClientWatch | None = None,
     ) -> tuple[list[Any], int]:
         """Queue every input as one item of ``model`` (None: the default) and wait for all of
         them; return outputs and tokens. With ``query``, each input is a document paired with
         it (reranking). ``prompt`` goes in front of each input (of the query, for pairs);
         ``truncation_direction`` (None: the model's own) is the end over-long inputs are cut
-        from. ``trace``, if given, is filled in with what the request went through."""
+        from. ``trace``, if given, is filled in with what the request went through. ``client``
+        tells when the client has gone: its items then leave the queue and this raises
+        ``ClientDisconnected``."""
         if self.draining:
             raise draining()
         if not self.ready:
@@ -391,14 +425,15 @@ class Runtime:
             return await self._infer(
                 slot, inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
                 priority=priority, query=query, prompt=prompt,
-                trace=trace if trace is not None else RequestTrace(),
+                trace=trace if trace is not None else RequestTrace(), client=client,
                 truncation_direction=truncation_direction,
             )  # fmt: skip
 
     async def _infer(
         self, slot: ModelSlot, inputs: Sequence[str], *, truncate: bool, timeout_s: float,
         request_id: str, priority: int, query: str | None, trace: RequestTrace,
-        prompt: str | None = None, truncation_direction: str | None = None,
+        client: ClientWatch | None, prompt: str | None = None,
+        truncation_direction: str | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         loop = asyncio.get_running_loop()
         assert slot.model is not None
@@ -408,8 +443,8 @@ class Runtime:
         )  # fmt: skip
         chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
         chars += len(prompt or "") * len(inputs)
-        if chars > INLINE_TOKENIZE_CHARS:
-            items = await loop.run_in_executor(self.tokenizer_thread, prepare)
+        if chars > slot.inline_tokenize_chars:
+            items = await self.tokenizer_thread.call(prepare)
         else:
             items = prepare()
         trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
@@ -431,22 +466,24 @@ class Runtime:
         self.queue.put_many(pendings)
         self.work.track(pendings)
         self.batching_metrics.queue_depth.set(len(self.queue))
-        try:
-            async with asyncio.timeout(timeout_s):
-                outputs = await asyncio.gather(*(p.future for p in pendings))
-        except TimeoutError:
-            raise ApiError(
+        wait = RequestWait(
+            loop, pendings, timeout_s=timeout_s, client=client,
+            deadline_error=ApiError(
                 504, "deadline_exceeded", f"no answer within the deadline of {timeout_s:g}s"
-            ) from None
-        except asyncio.CancelledError:
-            # The client went away: its waiting items leave the queue now and never run.
+            ),
+        )  # fmt: skip
+        try:
+            await wait.future
+        except ClientDisconnected:
+            # Its waiting items leave the queue now and never run.
             self.batching_metrics.cancelled.labels("queued").inc(self.queue.discard(pendings))
             raise
         finally:
+            wait.close()
             for pending in pendings:
                 if not pending.future.done():
                     pending.future.cancel()
             self.queue.discard(pendings)
             self.batching_metrics.queue_depth.set(len(self.queue))
             trace.record(pendings)
-        return outputs, trace.tokens
+        return [pending.future.result() for pending in pendings], trace.tokens

@@ -57,6 +57,9 @@ class ModelSlot:
         """What warm-up proved; None until it has run."""
         self.step: CalibrationStep | None = None
         """The warm-up batch running now, if any (said when stopped mid-way)."""
+        self.inline_tokenize_chars: float = 0.0
+        """Requests with at most this much text are tokenized on the event loop; measured
+        at start-up (``runtime/tokenize.py``)."""
 
     @property
     def name(self) -> str:

@@ -12,12 +12,13 @@ from tests.servers import ROOT
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.timeout(480)
 def test_quick_bench_writes_the_report(tmp_path):
     out = tmp_path / "report"
     done = subprocess.run(
         [sys.executable, "-m", "server", "bench", "--quick", "--rates", "8", "--duration-s", "2",
          "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=270,
+        cwd=ROOT, capture_output=True, text=True, timeout=450,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     figures = json.loads((out / "results.json").read_text())
@@ -46,15 +47,33 @@ def test_quick_bench_writes_the_report(tmp_path):
     # The limit runs on torch's default thread count: every CPU the bench may use.
     threads = figures["limit"]["num_threads"]
     assert threads == len(os.sched_getaffinity(0))
-    # The no-op model's levels: the server's own CPU per request, every request answered.
+    # The no-op model's levels under wrk, beside the bare stack's: the server's own CPU per
+    # request, every request answered.
     overhead = {row["load"]: row for row in figures["overhead"]}
-    assert set(overhead) == {"c=1", "c=32"}
-    for row in overhead.values():
-        assert row["errors"] == {} and row["num_requests"] == 40
-        assert 0 < row["cpu_ms_per_input"] < 50
+    bare = {row["load"]: row for row in figures["bare"]}
+    assert set(overhead) == set(bare) == {"c=1", "c=32"}
+    for row in [*overhead.values(), *bare.values()]:
+        assert row["client"] == "wrk" and row["errors"] == {} and row["num_requests"] > 0
+        assert 0 < row["cpu_ms_per_input"] < 50 and row["mean_s"] > 0
+    # The no-batching server with both clients, and adaptive again with httpx.
+    assert {(r["load"], r["client"]) for r in figures["no_batching"]} == {
+        ("idle c=1", "aiohttp"), ("idle c=1", "httpx"), ("c=8", "aiohttp")
+    }  # fmt: skip
+    assert {(r["load"], r["client"]) for r in figures["other_clients"]} == {
+        ("idle c=1", "httpx"), ("c=8", "httpx")
+    }  # fmt: skip
+    assert all(r["errors"] == {} for r in [*figures["no_batching"], *figures["other_clients"]])
+    assert {t["name"] for t in figures["targets"]} >= {
+        "no-op model vs the bare stack, c=32: throughput",
+        "no-op model vs the bare stack, c=1: mean latency vs bare + 0.15 ms",
+        "one-client p50 vs the no-batching server (aiohttp)",
+        "one-client p50 vs the no-batching server (httpx)",
+        "saturation throughput vs in-process limit (httpx client)",
+    }  # fmt: skip
     report = (out / "report.md").read_text()
     assert f"| limit | in-process, {threads} threads, {figures['limit']['plan']} |" in report
-    assert "## Server overhead" in report
+    assert "## Server overhead" in report and "| bare stack | c=32 |" in report
+    assert "## Against a server without batching, and with another client" in report
     assert "| adaptive | c=8 |" in report
     for png in ("throughput_vs_p99.png", "timeline.png"):
         assert (out / png).read_bytes().startswith(b"\x89PNG")

