@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import sys
 import tempfile
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from batching import AdaptiveSizer, HostProbe, tune_host_allocator
+from batching import AdaptiveSizer, HostProbe, measured_forward, tune_host_allocator
 from models import load_model
 from server import Settings
 from server.runtime.runtime import Runtime
@@ -89,7 +90,9 @@ async def measure(name: str, folder: Path, max_batch_tokens: int) -> Row:
             peak = 0
             for _ in range(REPEATS):
                 _, measured = await runtime.model_thread.call(
-                    runtime.batcher._measured_forward, model.forward, items, True
+                    functools.partial(
+                        measured_forward, model.forward, items, probe=probe, settle=True
+                    )
                 )
                 peak = max(peak, measured or 0)
             if peak < MIN_PEAK:
