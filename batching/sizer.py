@@ -75,10 +75,25 @@ class PeakModel:
     fixed_bytes: float = 0.0
     """What any pass adds whatever its size (on a CPU, the allocator's slack: about 1 MiB
     while warm-up measures), learnt where warm-up ran two batch sizes."""
+    measured_length: int | None = None
+    """The longest length the batch line was measured at (``measured_alone_length``: the
+    lone line); beyond it the line's ``L**2`` term grows at least as fast as the prior's
+    (``prior_beta``, ``prior_alone_beta``). At short lengths the quadratic term hides under
+    the per-token one: a fitted slope near zero under-predicted a padded batch's attention
+    mask at 3 x 8192 tokens by half, from a warm-up that had measured up to 512."""
+    measured_alone_length: int | None = None
+    prior_beta: float = 0.0
+    prior_alone_beta: float = 0.0
 
     def predict(self, num_items: int, padded_len: int) -> float:
         alpha, beta = self.line(num_items)
-        return self.fixed_bytes + num_items * padded_len * (alpha + beta * padded_len)
+        peak = self.fixed_bytes + num_items * padded_len * (alpha + beta * padded_len)
+        alone = num_items == 1 and self.alone_alpha is not None and self.alone_beta is not None
+        measured = self.measured_alone_length if alone else self.measured_length
+        if measured is not None and padded_len > measured:
+            floor = self.prior_alone_beta if alone else self.prior_beta
+            peak += num_items * (padded_len**2 - measured**2) * max(0.0, floor - beta)
+        return peak
 
     def line(self, num_items: int) -> tuple[float, float]:
         """``(alpha, beta)`` for a batch of ``num_items``."""
@@ -223,8 +238,14 @@ def fit_envelope(prior: PeakModel, samples: list[tuple[int, int, float]]) -> Pea
         alone_alpha, alone_beta = _scaled(prior_alone, prior_batch, (alpha, beta))
     return PeakModel(
         alpha=alpha, beta=beta, alone_alpha=alone_alpha, alone_beta=alone_beta,
-        fixed_bytes=fixed,
+        fixed_bytes=fixed, measured_length=_longest(batch) or _longest(alone),
+        measured_alone_length=_longest(alone) or _longest(batch), prior_beta=prior_batch[1],
+        prior_alone_beta=prior_alone[1],
     )  # fmt: skip
+
+
+def _longest(samples: list[tuple[int, int, float]]) -> int | None:
+    return max((length for _, length, _ in samples), default=None)
 
 
 def _scaled(

@@ -205,3 +205,20 @@ def test_config_refuses_bad_values(field, value):
 
 def test_no_ceiling_before_warm_up():
     assert math.isinf(sizer().ceiling_bytes)
+
+
+def test_beyond_the_longest_measured_length_the_quadratic_term_grows_as_the_priors_at_least():
+    """Samples up to 512 tokens show no L**2 term (it hides under the per-token one there):
+    within them the fit predicts what was measured, beyond them a padded batch's mask still
+    grows as the prior says, and a lone input (no mask under sdpa) by its own line."""
+    prior = prior_peak_model(
+        hidden_size=256, intermediate_size=512, num_heads=4, element_bytes=4, num_kv_heads=2,
+        head_dim=64, attention="sdpa", gated_mlp=True,
+    )  # fmt: skip
+    shapes = [(32, 32), (128, 32), (32, 128), (8, 512), (1, 512)]
+    fitted = fit_envelope(prior, [(n, length, n * length * 11000.0) for n, length in shapes])
+    assert fitted.beta == pytest.approx(0.0, abs=1e-6) and prior.beta > 0
+    assert fitted.predict(8, 512) == pytest.approx(8 * 512 * 11000, rel=1e-6)
+    mask = 3 * (8192**2 - 512**2) * prior.beta
+    assert fitted.predict(3, 8192) == pytest.approx(3 * 8192 * 11000 + mask, rel=1e-6)
+    assert fitted.predict(1, 8192) == pytest.approx(8192 * 11000, rel=1e-6)
