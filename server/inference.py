@@ -124,6 +124,7 @@ async def infer_for_request(
     query: str | None = None,
     prompt_name: str | None = None,
     prompt: str | None = None,
+    truncation_direction: str | None = None,
 ) -> tuple[list[Any], int]:
     """Queue the inputs for ``model`` (same queue, batcher and model thread as ``/v1/infer``)
     and wait, dropping them if the client disconnects. Returns the outputs and the token
@@ -147,6 +148,7 @@ async def infer_for_request(
         outputs, num_tokens = await runtime.infer(
             inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
             priority=priority, model=name, query=query, trace=trace, prompt=resolved,
+            truncation_direction=truncation_direction,
             client=client_watch(request.scope, request.receive),
         )  # fmt: skip
     except ClientDisconnected:

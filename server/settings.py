@@ -154,6 +154,14 @@ class Settings(BaseSettings):
         "and on CPU also sets an address-space limit once the model is loaded, so a runaway "
         "batch gets a real allocation failure instead of swapping the host.",
     )
+    warmup_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Time bound of the warm-up's calibration: it proves the longest input "
+        "length it can within this many seconds (and the memory budget), and the fitted "
+        "memory model predicts beyond it. Default: 20 times its first full batch, at least "
+        "10 s.",
+    )
     memory_release_idle_s: float = Field(
         10.0,
         ge=0,

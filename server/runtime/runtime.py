@@ -107,6 +107,9 @@ class Runtime:
         self._task: asyncio.Task[None] | None = None
         self._release_task: asyncio.Task[None] | None = None
         self._started = False
+        self.phase = "starting"
+        """Where start-up is, as the log says it if the replica is stopped there."""
+        self._warming: ModelSlot | None = None
 
     @property
     def model(self) -> Model | None:
@@ -159,7 +162,9 @@ class Runtime:
         started = time.perf_counter()
         threads = thread_count(self.settings.num_threads)
         for slot in self._slots:
+            self.phase = f"loading model {slot.given_name or slot.spec.model}"
             await self._load(slot, threads.num_threads)
+        self.phase = "starting the model thread"
         self.slots = by_name(self._slots)
         info = self._slots[0].info  # every model shares the device
         if info.device == "cpu":
@@ -193,12 +198,18 @@ class Runtime:
             probe=self.probe,
             memory_metrics=self.memory_metrics,
         )
-        log.info("warming up: the largest batches the memory budget allows")
+        log.info("warming up: the largest batches the memory budget and the time bound allow")
         for slot in self._slots:
             if len(self._slots) > 1:
                 log.info("warming up model %s", slot.name)
-            await slot.warm_up(self.batcher)
+            self.phase = f"warming up model {slot.name}"
+            self._warming = slot
+            report = await slot.warm_up(self.batcher)
+            self._warming = None
+            if report.proven_length is not None:
+                self.memory_metrics.for_model(slot.name).proven_length.set(report.proven_length)
         self.batcher.record_ceilings()
+        self.phase = "starting the batcher"
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
         if self.settings.memory_release_idle_s > 0:
@@ -209,6 +220,7 @@ class Runtime:
         if self._on_ready is not None:
             self._on_ready()  # before readiness: nothing is in flight yet
         self._started = True
+        self.phase = "ready"
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
 
@@ -340,8 +352,27 @@ class Runtime:
         self._aborted = True
         return self.work.fail_open(ShuttingDown("the server stopped before this input ran"))
 
+    def where(self) -> str:
+        """Where start-up is now: ``warming up model m (a batch of 1 x 8192 tokens running)``."""
+        slot = self._warming
+        step = slot.step if slot is not None else None
+        if step is None:
+            return self.phase
+        return f"{self.phase} (a batch of {step.num_items} x {step.length} tokens running)"
+
     async def stop(self) -> None:
         self.metrics.ready.set(0)
+        if not self._started and self.startup_error is None:
+            # NOTE: a load or a forward pass in progress on the model thread cannot be
+            # interrupted, and may take minutes: the replica stops without waiting for it
+            # (the command line then exits the process; see server/cli.py).
+            busy = self.model_thread.busy
+            log.warning(
+                "stopped while %s%s", self.where(),
+                "; not waiting for the model thread" if busy else "",
+            )  # fmt: skip
+            if busy:
+                self._aborted = True
         if self._release_task is not None:
             self._release_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -375,13 +406,15 @@ class Runtime:
         query: str | None = None,
         trace: RequestTrace | None = None,
         prompt: str | None = None,
+        truncation_direction: str | None = None,
         client: ClientWatch | None = None,
     ) -> tuple[list[Any], int]:
         """Queue every input as one item of ``model`` (None: the default) and wait for all of
         them; return outputs and tokens. With ``query``, each input is a document paired with
-        it (reranking). ``prompt`` goes in front of each input (of the query, for pairs).
-        ``trace``, if given, is filled in with what the request went through. ``client`` tells
-        when the client has gone: its items then leave the queue and this raises
+        it (reranking). ``prompt`` goes in front of each input (of the query, for pairs);
+        ``truncation_direction`` (None: the model's own) is the end over-long inputs are cut
+        from. ``trace``, if given, is filled in with what the request went through. ``client``
+        tells when the client has gone: its items then leave the queue and this raises
         ``ClientDisconnected``."""
         if self.draining:
             raise draining()
@@ -393,16 +426,21 @@ class Runtime:
                 slot, inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
                 priority=priority, query=query, prompt=prompt,
                 trace=trace if trace is not None else RequestTrace(), client=client,
+                truncation_direction=truncation_direction,
             )  # fmt: skip
 
     async def _infer(
         self, slot: ModelSlot, inputs: Sequence[str], *, truncate: bool, timeout_s: float,
         request_id: str, priority: int, query: str | None, trace: RequestTrace,
         client: ClientWatch | None, prompt: str | None = None,
+        truncation_direction: str | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         loop = asyncio.get_running_loop()
         assert slot.model is not None
-        prepare = prepare_call(slot.model, inputs, truncate=truncate, query=query, prompt=prompt)
+        prepare = prepare_call(
+            slot.model, inputs, truncate=truncate, query=query, prompt=prompt,
+            truncation_direction=truncation_direction,
+        )  # fmt: skip
         chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
         chars += len(prompt or "") * len(inputs)
         if chars > slot.inline_tokenize_chars:
