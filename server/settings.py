@@ -162,6 +162,18 @@ class Settings(BaseSettings):
         "replica's resident memory is what it uses, not what its last burst left behind. "
         "0 turns it off.",
     )
+    cache_bytes: ByteSize | None = Field(
+        None,
+        description="Most bytes of outputs the replica keeps, per input, to answer a repeated "
+        "input without computing it again (least recently used evicted first). Default: 1/20 "
+        "of the host memory the replica may use (the smallest of the host's total, its "
+        "memory cgroup's limit and, on CPU, --memory-limit), in whole MiB; 0 turns it off.",
+    )
+    deduplicate: bool = Field(
+        True,
+        description="An input equal to one already queued or running waits for that "
+        "computation instead of being computed again.",
+    )
     target_latency_ms: float | None = Field(
         None,
         gt=0,
