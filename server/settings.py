@@ -383,6 +383,15 @@ class LauncherSettings(BaseSettings):
     rate_limit_burst: int = Field(
         200, ge=1, description="Requests per client allowed above the rate in a burst."
     )
+    nginx_cache_bytes: ByteSize = Field(
+        0,
+        description="Let Nginx cache whole answers of /v1/embeddings and /v1/infer, keyed by "
+        "the request body and its API key, up to this many bytes on disk under the work "
+        "folder; 0 (the default) turns it off.",
+    )
+    nginx_cache_valid_s: int = Field(
+        60, ge=1, description="How long Nginx keeps one cached answer."
+    )
     ready_timeout_s: float = Field(
         300.0, gt=0, description="How long to wait for every replica to be ready."
     )

@@ -173,15 +173,17 @@ class Nginx:
 def run_nginx(
     tmp_path: Path, upstreams: Sequence[str], *, max_body_bytes: int = 2 * 2**20,
     read_timeout_s: int = 30, rate_limit_rps: int = 1000, rate_limit_burst: int = 1000,
+    **options: int,
 ) -> Iterator[Nginx]:  # fmt: skip
-    """A real Nginx from deploy/nginx/nginx.conf.template in front of ``upstreams``."""
+    """A real Nginx from deploy/nginx/nginx.conf.template in front of ``upstreams``;
+    ``options`` are more ``NginxConfig`` fields (``cache_bytes``...)."""
     nginx = require_nginx()
     port = free_port()
     prefix = tmp_path / f"nginx-{port}"
     config = NginxConfig(
         upstreams=upstreams, listen=f"127.0.0.1:{port}", max_body_bytes=max_body_bytes,
         read_timeout_s=read_timeout_s, rate_limit_rps=rate_limit_rps,
-        rate_limit_burst=rate_limit_burst, prefix=prefix,
+        rate_limit_burst=rate_limit_burst, prefix=prefix, **options,
     )  # fmt: skip
     conf = prepare_prefix(prefix, render(config))
     check_config(nginx, prefix, conf)

@@ -17,11 +17,12 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from models.loading import BUNDLED_MODEL, resolve_model_path
+from tests.launch import run_nginx
 from tests.servers import run_server
 
 pytestmark = pytest.mark.integration
 
-LEFT = "left"  # the bundled model with a tokenizer that truncates on the left
+LEFT = "left"  # the bundled model's weights, truncating on the left and pooling by CLS
 CACHE_BYTES = 1 << 20
 BATCHES = "batchfit_batch_size_count"
 BATCH_ITEMS = "batchfit_batch_size_sum"
@@ -36,6 +37,9 @@ def replica(tmp_path_factory):
     (left / "model.safetensors").symlink_to(source / "model.safetensors")
     config = json.loads((left / "tokenizer_config.json").read_text())
     (left / "tokenizer_config.json").write_text(json.dumps({**config, "truncation_side": "left"}))
+    pooling = json.loads((left / "1_Pooling" / "config.json").read_text())
+    pooling.update(pooling_mode_cls_token=True, pooling_mode_mean_tokens=False)
+    (left / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
     with run_server(
         root, "--model", BUNDLED_MODEL, "--model", f"{LEFT}={left}",
         "--cache-bytes", str(CACHE_BYTES), "--max-inputs-per-request", "64",
@@ -133,20 +137,22 @@ def test_concurrent_duplicates_cost_one_forward_pass_over_that_input(replica, re
 def test_each_part_of_the_key_changes_the_answer_and_misses(replica):
     long = " ".join(f"word{i % 50}" for i in range(400))  # past the 256-token maximum
     other_tail = long + " and an ending that truncation on the right never reads"
-    base = post(replica.url, inputs=[long])
+    short = "A short sentence that both models tokenize alike."
     cases = {
-        "model": {"model": LEFT},
-        "prompt": {"prompt": "query: "},
-        "dimensions": {"dimensions": 128},
+        "model": (short, {"model": LEFT}),  # the same token ids, another model
+        "prompt": (long, {"prompt": "query: "}),
+        "dimensions": (long, {"dimensions": 128}),
     }
-    for part, options in cases.items():
+    base = {text: post(replica.url, inputs=[text]) for text in (long, short)}
+    for part, (text, options) in cases.items():
         before = scrape(replica.url)
         model = options.get("model", BUNDLED_MODEL)
-        outputs = post(replica.url, inputs=[long], **options)
+        outputs = post(replica.url, inputs=[text], **options)
         after = scrape(replica.url)
         assert delta(before, after, "batchfit_cache_misses_total", model) == 1, part
         assert delta(before, after, "batchfit_cache_hits_total", model) == 0, part
-        assert outputs != base, part
+        assert outputs != base[text], part
+    base = base[long]
     # Truncation: the model reads the ids after truncation. On the right, a different tail
     # is cut away, so the model reads the same ids (a hit, with the same answer); on the
     # left it keeps the tail, so the ids differ (a miss).
@@ -174,3 +180,36 @@ def test_filling_past_the_bound_evicts_and_never_holds_more(replica):
         assert 0 < held <= CACHE_BYTES
     after = scrape(replica.url)
     assert delta(before, after, "batchfit_cache_evictions_total") > 0
+
+
+def test_nginx_answers_a_repeated_body_from_its_cache(replica, tmp_path):
+    """The template's answer cache, enabled, through real Nginx in front of the replica: a
+    repeated body is a HIT that never reaches the replica; another body or another API key
+    is a MISS; a body too large to key in memory always goes to the replica."""
+    address = replica.url.removeprefix("http://")
+    with run_nginx(tmp_path, [address], cache_bytes=1 << 20, cache_body_bytes=4096) as nginx:
+
+        def send(body, key="k1", path="/v1/infer"):
+            response = httpx.post(
+                f"{nginx.url}{path}", json=body, timeout=60,
+                headers={"authorization": f"Bearer {key}"},
+            )  # fmt: skip
+            assert response.status_code == 200, response.text
+            return response.headers["x-cache-status"], response.json()
+
+        body = {"inputs": ["Nginx keeps this whole answer."]}
+        assert send(body)[0] == "MISS"
+        requests = scrape(replica.url)[("batchfit_requests_total", "")]
+        status, answer = send(body)
+        assert status == "HIT"
+        assert scrape(replica.url)[("batchfit_requests_total", "")] == requests + 1  # the scrape
+        assert answer["outputs"] == send(body)[1]["outputs"]
+        assert send({"inputs": ["Another body."]})[0] == "MISS"
+        assert send(body, key="k2")[0] == "MISS"  # another API key: another entry
+        assert send(body, key="k2")[0] == "HIT"
+        embeddings = {"input": "An OpenAI client's request.", "model": BUNDLED_MODEL}
+        assert send(embeddings, path="/v1/embeddings")[0] == "MISS"
+        assert send(embeddings, path="/v1/embeddings")[0] == "HIT"
+        large = {"inputs": ["a longer input " * 400]}  # beyond the 4 KiB body buffer
+        assert [send(large)[0] for _ in range(2)] == ["BYPASS", "BYPASS"]
+        assert httpx.get(f"{nginx.url}/v1/models", timeout=10).headers.get("x-cache-status") is None

@@ -24,7 +24,7 @@ SECRET = "a private sentence that must never reach a log"
 TEXTS = [SECRET, "short", "a somewhat longer input with more tokens in it to pad", "two words"]
 MiB = 2**20
 # Where the page's summary numbers sit, and how the page rounds them.
-UNIT_SCALE = {"rate": 1, "ms": 1, "mean": 1, "count": 1, "bytes": 1 / MiB}
+UNIT_SCALE = {"rate": 1, "ms": 1, "mean": 1, "count": 1, "bytes": 1 / MiB, "percent": 100}
 CHART_SERIES_COLOR = (0x1F, 0x77, 0xB4)  # the first series of the requests and memory charts
 
 
@@ -172,6 +172,8 @@ def test_status_page_draws_live_data_that_matches_status_json(server, tmp_path):
         shown = float(re.sub(r"[^\d.\-]", "", tile["text"]))
         assert abs(shown - expected * UNIT_SCALE[tile["unit"]]) <= 0.5, tile
     assert sample["memory_free_bytes"] and sample["budget_bytes"] and sample["predicted_peak_bytes"]
+    # The traffic repeats its four texts: after the first, every input is a cache hit.
+    assert 0.5 < sample["cache_hit_rate"] < 1 and sample["cache_bytes"] > 0
     assert screenshot.stat().st_size > 20_000
     if keep:
         Path(keep).write_bytes(screenshot.read_bytes())
