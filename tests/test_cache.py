@@ -302,3 +302,28 @@ async def test_the_cache_bytes_stay_under_the_bound_while_it_evicts(registry):
         model.seen.clear()
         await infer(runtime, ["text number 399", "text number 0"])
     assert model.seen == ["text number 0"]
+
+
+# --- the default bound ---
+
+
+def test_the_default_bound_is_a_twentieth_of_the_host_memory_the_replica_may_use(tmp_path):
+    from server.cache import default_cache_bytes, host_memory_bytes
+
+    (tmp_path / "meminfo").write_text("MemTotal:       25165824 kB\nMemFree: 1 kB\n")
+    assert host_memory_bytes(None, on_host=True, proc=tmp_path) == 24 * 2**30
+    assert host_memory_bytes(2**30, on_host=True, proc=tmp_path) == 2**30  # --memory-limit
+    assert host_memory_bytes(2**30, on_host=False, proc=tmp_path) == 24 * 2**30  # on a GPU
+    assert default_cache_bytes(24 * 2**30) == 1228 * 2**20  # 5%, in whole MiB
+    assert default_cache_bytes(None) == 0
+
+
+def test_a_replica_s_default_bound_follows_the_rule(registry):
+    from server.cache import default_cache_bytes, host_memory_bytes
+
+    async def check():
+        async with replica(ScriptedModel(), registry) as runtime:
+            return runtime.inputs.max_bytes
+
+    expected = default_cache_bytes(host_memory_bytes(None, on_host=True))
+    assert expected > 0 and asyncio.run(check()) == expected

@@ -53,7 +53,9 @@ class Traffic:
             i = offset
             while not self.stop.is_set() and self.sent < self.max_requests:
                 self.sent += 1
-                inputs = TEXTS[: 1 + i % len(TEXTS)]
+                # Repeated texts (cache hits after the first) and one new input, so that
+                # batches keep running too.
+                inputs = [*TEXTS[: 1 + i % len(TEXTS)], f"client {offset} request {i}"]
                 self.statuses.append(
                     client.post(f"{self.url}/v1/infer", json={"inputs": inputs}).status_code
                 )
@@ -207,8 +209,9 @@ def batch_counts(server) -> tuple[float, float]:
 def test_access_log_has_one_json_line_per_request_and_no_text(server):
     with httpx.Client(timeout=30, headers=AUTH) as client:
         before = batch_counts(server)  # the replica is idle: only this request runs now
+        texts = [f"{text} (once)" for text in TEXTS]  # never sent before: no cache hit
         response = client.post(
-            f"{server.url}/v1/infer", json={"inputs": TEXTS}, headers={"X-Request-ID": "acc-1"}
+            f"{server.url}/v1/infer", json={"inputs": texts}, headers={"X-Request-ID": "acc-1"}
         )
         after = batch_counts(server)
     assert response.status_code == 200
@@ -226,3 +229,4 @@ def test_access_log_has_one_json_line_per_request_and_no_text(server):
     assert len(entry["batch_sizes"]) == after[0] - before[0] >= 1
     assert sum(entry["batch_sizes"]) == after[1] - before[1] == len(TEXTS)
     assert 0 <= entry["queue_wait_s"] <= entry["duration_s"]
+    assert entry["cache_hits"] == 0
