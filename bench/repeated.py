@@ -7,8 +7,9 @@ with probability ``hot_share`` (30% by default), drawn from a small hot set of
 ``hot_size`` texts (32) instead: retrieval traffic repeats its queries and boilerplate. Both
 replicas get the same requests in the same order, closed loop with ``concurrency`` clients.
 ``cache-off`` runs with ``--cache-bytes 0 --no-deduplicate`` (every input computed, as
-without a cache), ``cache-on`` with the defaults. Reported: inputs/s, p50 and p99 latency,
-the inputs computed (forward-pass items) and the cache's hits and deduplicated inputs.
+without a cache), ``cache-on`` with the default bound and deduplication. Reported:
+inputs/s, p50 and p99 latency, the inputs computed (forward-pass items) and the cache's hits
+and deduplicated inputs.
 
 ``batchfit bench --repeated-traffic`` (or ``python -m bench.repeated``); loopback only.
 """
@@ -32,9 +33,16 @@ from .memory_limit import drive
 from .servers import start_replicas
 from .workload import WorkloadSpec, make_input, make_requests
 
+
+def _default_bound() -> str:
+    from server.cache import default_cache_bytes, host_memory_bytes
+
+    return str(default_cache_bytes(host_memory_bytes(None, on_host=True)))
+
+
 CONFIGS = {
     "cache-off": ["--cache-bytes", "0", "--no-deduplicate"],
-    "cache-on": [],
+    "cache-on": ["--cache-bytes", _default_bound()],  # the server's default rule, on this host
 }
 
 

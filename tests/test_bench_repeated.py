@@ -26,3 +26,18 @@ def test_the_report_gives_inputs_per_second_on_and_off():
     text = report(RepeatedOptions(), results, "batchfit bench --repeated-traffic")
     assert "| cache-on | 80.0 | 6.0 | 20.0 | 70 of 100 | 25 | 5 | 0 |" in text
     assert "cache on / off, inputs/s: 1.60" in text
+
+
+def test_benchmark_replicas_compute_every_input_unless_told(monkeypatch):
+    """The batching benchmark replays its requests at every level: a cache would answer them."""
+    from bench import servers
+
+    launched = []
+    monkeypatch.setattr(servers, "_launch", lambda arguments, log_dir: launched.append(arguments))
+    servers.launch_replica(["--max-batch-size", "8"])
+    servers.launch_replica(["--cache-bytes", "1048576"])
+    assert launched[0][-5:] == ["--cache-bytes", "0", "--no-deduplicate", "--max-batch-size", "8"]
+    assert "--no-deduplicate" not in launched[1] and launched[1][-2:] == [
+        "--cache-bytes",
+        "1048576",
+    ]
