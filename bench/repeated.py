@@ -70,6 +70,7 @@ class RepeatedResult:
     p50_ms: float
     p99_ms: float
     computed_inputs: int
+    computed_tokens: int
     cache_hits: int
     deduplicated_inputs: int
     failed_requests: int
@@ -89,8 +90,8 @@ def repeated_requests(options: RepeatedOptions) -> list[list[str]]:
 
 def _counters(url: str) -> dict[str, float]:
     wanted = (
-        "batchfit_batch_size_sum", "batchfit_cache_hits_total",
-        "batchfit_deduplicated_inputs_total",
+        "batchfit_batch_size_sum", "batchfit_batch_real_tokens_total",
+        "batchfit_cache_hits_total", "batchfit_deduplicated_inputs_total",
     )  # fmt: skip
     found = dict.fromkeys(wanted, 0.0)
     for name, value in re.findall(
@@ -122,6 +123,7 @@ def run_config(name: str, options: RepeatedOptions, requests: list[list[str]]) -
         p50_ms=round(statistics.median(latencies) * 1000, 1),
         p99_ms=round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1000, 1),
         computed_inputs=change["batchfit_batch_size_sum"],
+        computed_tokens=change["batchfit_batch_real_tokens_total"],
         cache_hits=change["batchfit_cache_hits_total"],
         deduplicated_inputs=change["batchfit_deduplicated_inputs_total"],
         failed_requests=sum(n for status, n in statuses.items() if status != 200),
@@ -137,14 +139,15 @@ def report(options: RepeatedOptions, results: list[RepeatedResult], command: str
         f"{options.hot_share:.0%} of inputs from a hot set of {options.hot_size} texts, "
         f"seed {options.seed}.",
         "",
-        "| config | inputs/s | p50 ms | p99 ms | inputs computed | cache hits | deduplicated "
-        "| failed requests |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| config | inputs/s | p50 ms | p99 ms | inputs computed | tokens computed | cache hits "
+        "| deduplicated | failed requests |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         lines.append(
             f"| {r.config} | {r.inputs_per_s} | {r.p50_ms} | {r.p99_ms} | {r.computed_inputs} "
-            f"of {r.inputs} | {r.cache_hits} | {r.deduplicated_inputs} | {r.failed_requests} |"
+            f"of {r.inputs} | {r.computed_tokens} | {r.cache_hits} | {r.deduplicated_inputs} "
+            f"| {r.failed_requests} |"
         )
     if "cache-on" in by_name and "cache-off" in by_name and by_name["cache-off"].inputs_per_s:
         ratio = by_name["cache-on"].inputs_per_s / by_name["cache-off"].inputs_per_s

@@ -20,11 +20,11 @@ def test_a_share_of_the_inputs_comes_from_a_small_hot_set():
 
 def test_the_report_gives_inputs_per_second_on_and_off():
     results = [
-        RepeatedResult("cache-off", 100, 50.0, 10.0, 30.0, 100, 0, 0, 0),
-        RepeatedResult("cache-on", 100, 80.0, 6.0, 20.0, 70, 25, 5, 0),
+        RepeatedResult("cache-off", 100, 50.0, 10.0, 30.0, 100, 2000, 0, 0, 0),
+        RepeatedResult("cache-on", 100, 80.0, 6.0, 20.0, 70, 1500, 25, 5, 0),
     ]
     text = report(RepeatedOptions(), results, "batchfit bench --repeated-traffic")
-    assert "| cache-on | 80.0 | 6.0 | 20.0 | 70 of 100 | 25 | 5 | 0 |" in text
+    assert "| cache-on | 80.0 | 6.0 | 20.0 | 70 of 100 | 1500 | 25 | 5 | 0 |" in text
     assert "cache on / off, inputs/s: 1.60" in text
 
 
