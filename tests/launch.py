@@ -18,7 +18,7 @@ from pathlib import Path
 
 from server.supervise.nginx import NginxConfig, check_config, nginx_command, prepare_prefix, render
 from tests.ci import unavailable
-from tests.servers import ROOT, free_port
+from tests.servers import ROOT, free_port, without_cache
 
 _REPLICA_LINE = re.compile(
     r"^(replica-\d+): (http://\S+) pid (\d+) metrics (http://\S+) ", re.MULTILINE
@@ -103,7 +103,7 @@ def start_launcher(tmp_path: Path, *flags: str, replicas: int) -> Launch:
     with open(output_path, "wb") as out, open(errors_path, "wb") as err:
         process = subprocess.Popen(
             [sys.executable, "-m", "server", "up", "--replicas", str(replicas),
-             "--port", str(port), "--workdir", str(workdir), *flags],
+             "--port", str(port), "--workdir", str(workdir), *without_cache(flags)],
             cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     return Launch(f"http://127.0.0.1:{port}", process, workdir, output_path, errors_path)

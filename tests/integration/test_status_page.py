@@ -33,7 +33,7 @@ def server(tmp_path_factory):
     require_chromium()  # before the model loads: fail (CI) or skip at once
     with run_server(
         tmp_path_factory.mktemp("status"), "--api-key", KEY, "--access-log",
-        "--status-window-s", "60",
+        "--status-window-s", "60", "--cache-bytes", "64MiB",
     ) as server:  # fmt: skip
         yield server
 
