@@ -29,8 +29,16 @@ from batching import (
     probes_for_device,
     release_host_memory,
 )
-from models import BatchProfiler, DeviceError, Model, ModelOutOfMemory, load_model
+from models import (
+    BatchProfiler,
+    DeviceError,
+    Model,
+    ModelOutOfMemory,
+    load_model,
+    truncate_dimensions,
+)
 
+from ..cache import InputCache, default_cache_bytes, host_memory_bytes, stored_value
 from ..errors import ApiError, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
@@ -91,6 +99,11 @@ class Runtime:
             max_items_per_model=settings.max_items_per_model(len(self._slots)),
         )
         self.work = WorkTracker(registry, clock=self.clock)
+        self.inputs = InputCache(
+            registry, max_bytes=int(settings.cache_bytes or 0),
+            deduplicate=settings.deduplicate, queue=self.queue,
+        )  # fmt: skip
+        """Outputs per input and the computations in flight (``server/cache/``)."""
         self.draining = False
         self._aborted = False
         self.batcher_error: BaseException | None = None
@@ -186,6 +199,7 @@ class Runtime:
         if self.settings.memory_limit is not None and info.device == "cpu":
             self._limit_host_memory(self.settings.memory_limit)
         self._log_memory_limit()
+        self._bound_cache(info.device == "cpu")
         self.batcher = Batcher(
             queue=self.queue,
             lanes=[slot.lane(self.profiler) for slot in self._slots],
@@ -223,6 +237,36 @@ class Runtime:
         self.phase = "ready"
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
+
+    def _bound_cache(self, on_host: bool) -> None:
+        """The output cache's bound: ``--cache-bytes``, else a share of the host memory the
+        replica may use. Its entries are resident host memory, which the host probe reads
+        (resident set, cgroup usage, MemAvailable), so on a CPU host every batch's budget
+        is sized with them already counted; on a GPU they take host memory, not the
+        device's."""
+        given = self.settings.cache_bytes
+        max_bytes = int(given) if given is not None else default_cache_bytes(
+            host_memory_bytes(self.settings.memory_limit, on_host=on_host)
+        )  # fmt: skip
+        self.inputs.set_max_bytes(max_bytes)
+        for slot in self._slots:
+            self.inputs.add_model(slot.name)
+        if not max_bytes:
+            dedup = "" if self.settings.deduplicate else "; no deduplication"
+            log.info("output cache: off%s", dedup)
+            return
+        reading = self.probe.read() if self.probe is not None and on_host else None
+        free = reading.free_bytes if reading is not None else None
+        log.info(
+            "output cache: up to %d MiB%s, counted in the memory the batch budget reads",
+            max_bytes >> 20, f" (with {free >> 20} MiB free now)" if free is not None else "",
+        )  # fmt: skip
+        if free is not None and max_bytes > free // 2:
+            log.warning(
+                "the output cache may hold %d MiB, more than half of the %d MiB free now: "
+                "batches will shrink as it fills (--cache-bytes lowers it)",
+                max_bytes >> 20, free >> 20,
+            )  # fmt: skip
 
     async def _load(self, slot: ModelSlot, num_threads: int) -> None:
         started = time.perf_counter()
@@ -408,6 +452,7 @@ class Runtime:
         prompt: str | None = None,
         truncation_direction: str | None = None,
         client: ClientWatch | None = None,
+        dimensions: int | None = None,
     ) -> tuple[list[Any], int]:
         """Queue every input as one item of ``model`` (None: the default) and wait for all of
         them; return outputs and tokens. With ``query``, each input is a document paired with
@@ -415,7 +460,9 @@ class Runtime:
         ``truncation_direction`` (None: the model's own) is the end over-long inputs are cut
         from. ``trace``, if given, is filled in with what the request went through. ``client``
         tells when the client has gone: its items then leave the queue and this raises
-        ``ClientDisconnected``."""
+        ``ClientDisconnected``. ``dimensions`` cuts each embedding to its first values
+        (renormalised when the model normalises). Inputs found in the output cache are
+        answered from it, and an input equal to one in flight waits for that one."""
         if self.draining:
             raise draining()
         if not self.ready:
@@ -427,13 +474,14 @@ class Runtime:
                 priority=priority, query=query, prompt=prompt,
                 trace=trace if trace is not None else RequestTrace(), client=client,
                 truncation_direction=truncation_direction,
+                dimensions=dimensions,
             )  # fmt: skip
 
     async def _infer(
         self, slot: ModelSlot, inputs: Sequence[str], *, truncate: bool, timeout_s: float,
         request_id: str, priority: int, query: str | None, trace: RequestTrace,
         client: ClientWatch | None, prompt: str | None = None,
-        truncation_direction: str | None = None,
+        truncation_direction: str | None = None, dimensions: int | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         loop = asyncio.get_running_loop()
         assert slot.model is not None
@@ -450,40 +498,62 @@ class Runtime:
         trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
         now = self.clock.now()
         deadline = now + timeout_s
-        pendings = [
-            Pending(
-                item=item,
-                future=loop.create_future(),
-                arrival_s=now,
-                deadline_s=deadline,
-                priority=priority,
-                request_id=request_id,
-                index=index,
-                model=slot.name,
-            )
-            for index, item in enumerate(items)
-        ]
-        self.queue.put_many(pendings)
-        self.work.track(pendings)
-        self.batching_metrics.queue_depth.set(len(self.queue))
+        name = slot.name
+
+        def make_pending(item: Any, index: int) -> Pending:
+            return Pending(
+                item=item, future=loop.create_future(), arrival_s=now, deadline_s=deadline,
+                priority=priority, request_id=request_id, index=index, model=name,
+            )  # fmt: skip
+
+        info = slot.info
+        cut = dimensions if dimensions is not None and dimensions != info.output_dim else None
+        admission = self.inputs.admit(
+            loop, name, items, dimensions=cut, priority=priority, deadline_s=deadline,
+            make_pending=make_pending, finish=_finisher(cut, bool(info.normalize)),
+        )  # fmt: skip
+        trace.cache_hits = admission.hits
+        if admission.queued:
+            try:
+                self.queue.put_many(admission.queued)
+            except BaseException:
+                self.inputs.release(admission)
+                raise
+            self.work.track(admission.queued)
+            self.batching_metrics.queue_depth.set(len(self.queue))
+        futures = admission.futures
+        if admission.hits == len(futures):
+            return [future.result() for future in futures], trace.tokens
         wait = RequestWait(
-            loop, pendings, timeout_s=timeout_s, client=client,
+            loop, futures, timeout_s=timeout_s, client=client,
             deadline_error=ApiError(
                 504, "deadline_exceeded", f"no answer within the deadline of {timeout_s:g}s"
             ),
         )  # fmt: skip
+        disconnected = False
         try:
             await wait.future
         except ClientDisconnected:
-            # Its waiting items leave the queue now and never run.
-            self.batching_metrics.cancelled.labels("queued").inc(self.queue.discard(pendings))
+            disconnected = True
             raise
         finally:
             wait.close()
-            for pending in pendings:
-                if not pending.future.done():
-                    pending.future.cancel()
-            self.queue.discard(pendings)
+            trace.record(admission.pendings)
+            # Computations no other request waits for leave the queue and never run.
+            left = self.queue.discard(self.inputs.release(admission))
+            if disconnected:
+                self.batching_metrics.cancelled.labels("queued").inc(left)
             self.batching_metrics.queue_depth.set(len(self.queue))
-            trace.record(pendings)
-        return [pending.future.result() for pending in pendings], trace.tokens
+        return [future.result() for future in futures], trace.tokens
+
+
+def _finisher(dimensions: int | None, normalize: bool) -> Callable[[Any], Any]:
+    """What a computed output becomes before it is stored and answered: its own copy
+    (read-only), cut to ``dimensions`` first when given."""
+    if dimensions is None:
+        return stored_value
+
+    def cut(output: Any) -> Any:
+        return stored_value(truncate_dimensions(output, dimensions, normalize))
+
+    return cut

@@ -168,9 +168,8 @@ def test_error_cases(server, body, status, error_type):
 
 def test_a_full_queue_is_429_with_retry_after(server):
     def send():
-        return httpx.post(
-            f"{server.url}/v1/infer", json={"inputs": ["a"] * QUEUE_ITEMS}, timeout=30
-        )
+        inputs = [f"a {i}" for i in range(QUEUE_ITEMS)]
+        return httpx.post(f"{server.url}/v1/infer", json={"inputs": inputs}, timeout=30)
 
     response = when_queue_full(server.url, QUEUE_ITEMS, send, lambda r: r.status_code)
     payload = response.json()
