@@ -7,7 +7,6 @@ same model, sized by that model's sizer against the memory read just before the 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ from .measure import Forward, measured_forward
 from .metrics import BatchingMetrics, MemoryMetrics, ModelBatchingMetrics, ModelMemoryMetrics
 from .model_thread import ModelThread
 from .planner import BatchBudget, BatchPlan, plan_batch, refused_alone, split
-from .probes import MemoryProbe, MemoryReading, ProbeError
+from .probes import MemoryProbe, MemoryReading
 from .queue import Pending, RequestQueue
 from .sizer import BatchOutcome, Sizer
 from .timing import BatchTimeModel
@@ -308,11 +307,7 @@ class Batcher:
         outputs, peak = measured_forward(
             forward, items, probe=probe, oom_errors=self._oom_errors, settle=settle
         )
-        reading = None
-        if probe is not None and not settle:
-            # A failed read costs the next batch a read on the loop, never these outputs.
-            with contextlib.suppress(ProbeError):
-                reading = probe.read()
+        reading = probe.read() if probe is not None and not settle else None
         return outputs, peak, reading
 
     async def _fill(self, lane: _LaneState, max_items: int, max_tokens: int) -> None:
