@@ -7,7 +7,8 @@
   OOM-killing the replica, which keeps serving.
 - A ModernBERT at 8,192 tokens under the address-space limit (``--memory-limit``): there a
   lone input too large is tried, the allocation fails for real and it gets 507, while the
-  inputs sent with it are answered.
+  inputs sent with it are answered; with fixed batches, a batch too large for the limit is
+  split and every input in it answered.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ SHORT = ["a short query", "memory budget", "one more short input about the queue
 def decoder(tmp_path_factory):
     with quiet():
         return build_long_decoder(tmp_path_factory.mktemp("long") / "decoder")
+
+
+@pytest.fixture(scope="module")
+def modernbert(tmp_path_factory):
+    with quiet():
+        return build_long_modernbert(tmp_path_factory.mktemp("long") / "modernbert")
 
 
 def reference(folder, texts):
@@ -120,12 +127,11 @@ def test_a_long_context_decoder_under_a_cgroup_limit_refuses_what_cannot_fit(tmp
             assert scrape_value(scrape, "batchfit_oom_events_total", 'outcome="failed"') == 0
 
 
-def test_modernbert_at_8192_tokens_under_the_address_space_limit(tmp_path_factory, tmp_path):
+def test_modernbert_at_8192_tokens_under_the_address_space_limit(modernbert, tmp_path):
     """The address space fails an allocation instead of killing: a lone input too large is
     tried (nothing refuses it) and gets 507 from torch's own allocation failure, while the
     inputs around it are answered and the replica keeps serving."""
-    with quiet():
-        folder = build_long_modernbert(tmp_path_factory.mktemp("long") / "modernbert")
+    folder = modernbert
     long_text = text_of(folder, MODERNBERT_MAX_TOKENS + 50, seed=4)  # cut to 8,192
     # Measured alone: about 260 MiB at 4,096 tokens, 1 GiB at 8,192; the limit leaves
     # about 300 MiB above the loaded model.
@@ -151,3 +157,34 @@ def test_modernbert_at_8192_tokens_under_the_address_space_limit(tmp_path_factor
         assert httpx.get(f"{server.url}/health/ready").status_code == 200
         after = httpx.post(f"{server.url}/v1/infer", json={"inputs": SHORT})
         assert after.status_code == 200, after.text
+
+
+def test_modernbert_batch_mates_of_a_split_batch_are_answered(modernbert, tmp_path):
+    """Fixed batches of eight, as other servers are configured, under the address-space
+    limit: the batch of eight 4,096-token inputs fails a real allocation and is split until
+    its parts fit, and every input in it is answered, and right; the 8,192-token input,
+    alone, gets 507 from its own failed allocation."""
+    folder = modernbert
+    long_text = text_of(folder, MODERNBERT_MAX_TOKENS + 50, seed=4)  # cut to 8,192
+    # Measured: one input of 4,096 tokens about 260 MiB, four 430, eight 850; 1 GiB at 8,192.
+    mates = [text_of(folder, 4096, seed=seed) for seed in range(5, 13)]
+    flags = ("--model", str(folder), "--sizer", "fixed", "--max-batch-size", "8",
+             "--max-batch-tokens", "32768", "--max-wait-ms", "500",
+             "--memory-limit", str(790 * MiB))  # fmt: skip
+    with run_server(tmp_path, *flags) as server:
+        responses = post_all(server.url, [{"inputs": mates}, {"inputs": [long_text]}])
+        statuses = [getattr(r, "status_code", repr(r)) for r in responses]
+        log = server.log()
+        assert statuses == [200, 507], (statuses, log[-4000:])
+        assert "batch of 8 x 4096 tokens ran out of memory" in log, log[-4000:]
+        assert "batch of 1 x 8192 tokens does not fit in memory" in log, log[-4000:]
+        assert responses[1].json()["error_type"] == "out_of_memory"
+        scrape = httpx.get(f"{server.url}/metrics").text
+        assert scrape_value(scrape, "batchfit_oom_events_total", 'outcome="split"') >= 1
+        outputs = responses[0].json()["outputs"]
+        assert len(outputs) == len(mates)
+        checked = [0, 3, 4, 7]  # each end of each half of the first split
+        expected = reference(folder, [mates[i] for i in checked])
+        for i, reference_output in zip(checked, expected, strict=True):
+            np.testing.assert_allclose(outputs[i], reference_output, atol=2e-4)
+        assert httpx.get(f"{server.url}/health/ready").status_code == 200
