@@ -4,6 +4,7 @@ peak measured as calibration measures it (VmHWM above the baseline, allocator se
 batch shapes warm-up did not run, padded as served batches are.
 
     python -m scripts.memory_table [--family qwen3 --family long-decoder] [--keep DIR]
+        [--warmup-timeout-s S] [--verbose]
 
 The families are the parity table's (tiny random-weight models in their real layouts) and
 two long-context ones: a Qwen3-shaped decoder with 32,768 positions and a ModernBERT with
@@ -64,10 +65,13 @@ def shapes_for(max_length: int) -> list[tuple[int, int]]:
     ]
 
 
-async def measure(name: str, folder: Path, max_batch_tokens: int) -> Row:
+async def measure(
+    name: str, folder: Path, max_batch_tokens: int, warmup_timeout_s: float | None = None
+) -> Row:
     settings = Settings(
         model=(str(folder),), dtype="float32", max_batch_size=256,
         max_batch_tokens=max_batch_tokens, memory_release_idle_s=0,
+        warmup_timeout_s=warmup_timeout_s,
     )  # fmt: skip
     with quiet():
         model = load_model(settings.model_spec())
@@ -138,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         help="The parity table's own tiny models (peaks of a few MiB, where the allocator's "
         "slack is as large as the activations) instead of each family at MiniLM's width.",
     )  # fmt: skip
+    parser.add_argument(
+        "--warmup-timeout-s", type=float, metavar="S",
+        help="Warm-up's time bound (default: the server's): a short one cuts the ladder as a "
+        "loaded host does, and shows the predictions beyond the longest proven length.",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     wanted = args.family or names
     with tempfile.TemporaryDirectory(prefix="batchfit-memory-") as scratch:
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                     folders[name] = build(root / name)
         rows = []
         for name in wanted:
-            row = asyncio.run(measure(name, folders[name], MAX_TOKENS))
+            row = asyncio.run(measure(name, folders[name], MAX_TOKENS, args.warmup_timeout_s))
             rows.append(row)
             print(f"{name}: measured; {row.model}", file=sys.stderr)
             if args.verbose:

@@ -44,19 +44,28 @@ QWEN3_0_6B = {
 
 
 @pytest.mark.parametrize(
-    ("attention", "sliding_window", "beta", "alone_beta"),
+    ("attention", "sliding_window", "beta", "alone_beta", "shared_beta"),
     [
-        ("eager", None, 2 * 3 * 16 + 2, 2 * 3 * 16 + 2),
+        ("eager", None, 2 * 3 * 16 + 2, 2 * 3 * 16 + 2, 0.0),
         # sdpa: a padded batch's mask (a byte, and its float copy); one input alone, none.
-        ("sdpa", None, 1 + 2, 0.0),
-        # A sliding window's mask is built from int64 distances, alone too.
-        ("sdpa", 4096, 1 + 2 + 16 + 3, 16 + 3),
-        ("flash_attention_2", None, 0.0, 0.0),
+        ("sdpa", None, 1 + 2, 0.0, 0.0),
+        # A sliding window is built from int64 distances, alone too, once per batch; then
+        # each input holds its own window mask (a byte) beside the full one.
+        ("sdpa", 4096, 1 + 2 + 1, 16 + 3, 16 + 3),
+        ("eager", 4096, 2 * 3 * 16 + 2 + 1, 2 * 3 * 16 + 2 + 1, 16 + 3),
+        ("flash_attention_2", None, 0.0, 0.0, 0.0),
     ],
 )
-def test_the_prior_follows_the_attention_in_use(attention, sliding_window, beta, alone_beta):
+def test_the_prior_follows_the_attention_in_use(
+    attention, sliding_window, beta, alone_beta, shared_beta
+):
     prior = prior_peak_model(**QWEN3_0_6B, attention=attention, sliding_window=sliding_window)
-    assert (prior.beta, prior.alone_beta) == (beta, alone_beta)
+    assert (prior.beta, prior.alone_beta, prior.shared_beta) == (beta, alone_beta, shared_beta)
+    # What the items share is counted once per batch, and is freed before the layers
+    # hold the items' own: the larger of the two.
+    for n in (2, 8):
+        quadratic = max(n * prior.beta, prior.shared_beta) * 100**2
+        assert prior.predict(n, 100) == n * 100 * prior.alpha + quadratic
     # Grouped-query attention: 16 query and 2 x 8 key/value heads of 128; a gated
     # feed-forward holds three intermediate activations.
     assert prior.alpha == prior.alone_alpha == 2 * (8 * 1024 + (16 + 16) * 128 + 3 * 3072)
@@ -222,3 +231,40 @@ def test_beyond_the_longest_measured_length_the_quadratic_term_grows_as_the_prio
     mask = 3 * (8192**2 - 512**2) * prior.beta
     assert fitted.predict(3, 8192) == pytest.approx(3 * 8192 * 11000 + mask, rel=1e-6)
     assert fitted.predict(1, 8192) == pytest.approx(8192 * 11000, rel=1e-6)
+
+
+def test_beyond_the_longest_measured_length_a_shared_window_grows_once_per_batch():
+    """A sliding window's distances are built once per batch, and freed before the layers
+    hold each input's masks: beyond the measured lengths a batch's quadratic term grows as
+    the larger of the two, not as the distances once per item (which over-predicted
+    ModernBERT at 8,192 tokens fourfold from a warm-up cut at 2,048)."""
+    prior = prior_peak_model(
+        hidden_size=64, intermediate_size=96, num_heads=2, element_bytes=4,
+        attention="sdpa", sliding_window=128, gated_mlp=True,
+    )  # fmt: skip
+    assert prior.shared_beta == prior.prior_shared_beta > 0
+    shapes = [(32, 32), (128, 32), (32, 128), (8, 512), (1, 512)]
+    fitted = fit_envelope(prior, [(n, length, n * length * 3000.0) for n, length in shapes])
+    assert fitted.shared_beta == 0.0 and fitted.beta == pytest.approx(0.0, abs=1e-6)
+    growth = 8192**2 - 512**2
+    expected = 3 * 8192 * 3000 + growth * max(3 * prior.beta, prior.shared_beta)
+    assert fitted.predict(3, 8192) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_lone_input_measured_at_the_length_bounds_what_a_batch_shares():
+    """A lone input's quadratic term holds the shared distances: where one was measured at a
+    length the batch line was not, the batch's shared part grows by at most that."""
+    prior = prior_peak_model(
+        hidden_size=64, intermediate_size=96, num_heads=2, element_bytes=4,
+        attention="sdpa", sliding_window=128, gated_mlp=True,
+    )  # fmt: skip
+    samples = [(16, 512, 16 * 512 * 3000.0), (16, 2048, 16 * 2048 * 3000.0)]
+    lone = prior.alone_beta / 2
+    samples += [(1, length, length * (3000 + lone * length)) for length in (2048, 8192)]
+    fitted = fit_envelope(prior, samples)
+    assert fitted.measured_length == 2048 and fitted.measured_alone_length == 8192
+    assert fitted.alone_beta < prior.prior_shared_beta
+    growth = 8192**2 - 2048**2
+    line = fitted.fixed_bytes + 3 * 8192 * (fitted.alpha + fitted.beta * 8192)
+    floor = max(3 * prior.beta, fitted.alone_beta) - 3 * fitted.beta
+    assert fitted.predict(3, 8192) == pytest.approx(line + growth * floor, rel=1e-6)
