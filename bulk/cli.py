@@ -210,9 +210,21 @@ def spec_from_args(args: argparse.Namespace) -> JobSpec:
     )  # fmt: skip
 
 
-def bulk_main(args: argparse.Namespace) -> int:
+def bulk_command_line(argv: list[str], *, own_process: bool = False) -> int:
+    """``batchfit embed|classify|rerank ...`` (``argv`` from the command's name on), parsed
+    without the rest of ``batchfit``'s commands. ``own_process``: the process runs this job
+    alone (``bulk_main``)."""
+    parser = argparse.ArgumentParser(prog="batchfit")
+    add_bulk_parsers(parser.add_subparsers(dest="command", required=True))
+    return bulk_main(parser.parse_args(argv), own_process=own_process)
+
+
+def bulk_main(args: argparse.Namespace, *, own_process: bool = False) -> int:
     """Run the job ``args`` describe; 0 when it finished, 2 for a job that cannot run as
-    given, 1 when it failed on the way, 130 when interrupted (rerun to resume)."""
+    given, 1 when it failed on the way, 130 when interrupted (rerun to resume).
+    ``own_process``: nothing else runs in this process, whose heap is then frozen out of
+    garbage collection once the model is loaded (``run_job``'s ``freeze_heap``); a caller
+    that goes on (a test) keeps its collector as it was."""
     command = f"batchfit {args.bulk_task}"
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
     terminal = {"auto": None, "bar": True, "log": False}[args.progress]
@@ -222,7 +234,7 @@ def bulk_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler], force=True)
     try:
         spec = spec_from_args(args)
-        summary = run_job(spec, progress=progress)
+        summary = run_job(spec, progress=progress, freeze_heap=own_process)
     except (JobError, ManifestMismatch, ReaderError, ModelError) as exc:
         print(f"{command}: {exc}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ import orjson
 
 from models import BUNDLED_MODEL, Model, ModelSpec, load_model, resolve_prompt
 
-from .job import check_task, finish_outputs, model_fingerprint, prepare
+from .job import check_task, finish_outputs, freeze_loaded_heap, model_fingerprint, prepare
 from .manifest import Manifest, rows_digest
 from .readers import Fields, Reject, Row, row_problem
 from .runner import OutOfMemoryInput, Runner, build_runner
@@ -149,6 +149,7 @@ class BulkActor:
             max_input_tokens=config["max_input_tokens"], num_threads=config["num_threads"],
         )  # fmt: skip
         self.model: Model = load_model(spec)
+        freeze_loaded_heap()  # an actor's process does nothing else
         check_task(self.model, config["task"])
         self.runner: Runner = build_runner(
             self.model, max_items=config["max_batch_size"], max_tokens=config["max_batch_tokens"],

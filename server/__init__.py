@@ -1,9 +1,26 @@
 """HTTP front end, settings and wiring. The only package that composes the others."""
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 # First: sets OpenMP's wait policy before anything imports torch.
 from . import openmp  # noqa: F401  # isort: skip
-from .app import create_app
-from .errors import ApiError
-from .settings import ServerConfig, Settings
 
 __all__ = ["ApiError", "ServerConfig", "Settings", "create_app"]
+# Imported when first used: ``batchfit embed`` goes through this package (``python -m
+# server``, the ``batchfit`` script) but needs none of the HTTP stack, whose imports (FastAPI,
+# the app) cost a bulk job 0.3 s on 2 cores.
+_EXPORTS = {
+    "ApiError": ".errors",
+    "ServerConfig": ".settings",
+    "Settings": ".settings",
+    "create_app": ".app",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,21 +10,17 @@ import types
 import typing
 from collections.abc import Sequence
 
-import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from bench.cli import add_bench_flags, bench
-from bulk.cli import add_bulk_parsers, bulk_main
+from bulk.cli import COMMANDS as BULK_COMMANDS
+from bulk.cli import add_bulk_parsers, bulk_command_line
 
-from .app import create_app
-from .heap import freeze_startup_heap
-from .one_write import OneWriteHTTPProtocol
-from .runtime.drain import DrainingServer
-from .runtime.plan import PLAN_FIELDS, memory_plan
 from .settings import LauncherSettings, Settings
-from .supervise.launcher import REPLICA_ADDRESS_FIELDS, up
-from .supervise.nginx import UVICORN_KEEP_ALIVE_S
+
+# NOTE: the HTTP stack (uvicorn, the app, the launcher) and the benchmarks are imported by
+# the commands that use them: a bulk job needs none of them, and their imports (FastAPI,
+# aiohttp) took 0.6 s of a bulk job's start on 2 cores.
 
 log = logging.getLogger("batchfit")
 
@@ -104,6 +100,14 @@ class ListeningMessage(logging.Filter):
 
 
 def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .heap import freeze_startup_heap
+    from .one_write import OneWriteHTTPProtocol
+    from .runtime.drain import DrainingServer
+    from .supervise.nginx import UVICORN_KEEP_ALIVE_S
+
     configure_logging(settings.log_level)
     # Read by oneDNN at its first use: before the model loads. An operator's value wins.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
@@ -150,6 +154,11 @@ def serve(settings: Settings) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from bench.cli import add_bench_flags
+
+    from .runtime.plan import PLAN_FIELDS
+    from .supervise.launcher import REPLICA_ADDRESS_FIELDS
+
     parser = argparse.ArgumentParser(
         prog="batchfit", description="Adaptive-batching inference server."
     )
@@ -177,13 +186,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``argv`` None: the process's own command line (the ``batchfit`` script, ``python -m
+    server``), a process that runs this one command."""
+    own_process = argv is None
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in BULK_COMMANDS:
+        # Parsed by the bulk commands' own parser (the same flags): nothing of the server
+        # is imported.
+        return bulk_command_line(argv, own_process=own_process)
     args = build_parser().parse_args(argv)
     if args.command == "up":
+        from .supervise.launcher import up
+
         return up(args)
     if args.command == "bench":
+        from bench.cli import bench
+
         return bench(args)
-    if getattr(args, "bulk_task", None) is not None:
-        return bulk_main(args)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
@@ -192,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return serve(settings)
     if args.command == "plan":
+        from .runtime.plan import memory_plan
+
         configure_logging("warning")
         try:
             print(memory_plan(settings))

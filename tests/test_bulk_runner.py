@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from batching import MemoryLimit, MemoryReading
-from bulk.runner import OutOfMemoryInput, Reserve, Runner, make_sizer
+from bulk.runner import WARM_UP_MEMORY_SHARE, OutOfMemoryInput, Reserve, Runner, make_sizer
 from tests.bulk_fakes import FakeEmbedder, expected_embedding
 
 KIB = 1024
@@ -153,6 +153,54 @@ def test_warm_up_climbs_the_servers_ladder_and_reports_the_longest_proven_length
     assert ran == [(32, 32), (128, 32), (32, 128), (8, 512), (1, 512)]
     assert report.describe() == "longest proven input 512 tokens of 512"
     assert report.stopped is None
+
+
+def largest_capped_peak(runner):
+    """The largest predicted peak of any batch the caps (128 x 4096 tokens) allow, by brute
+    force over every batch size at every length."""
+    config, max_length = runner.sizer.config, runner.model.info.max_input_tokens
+    return max(
+        runner.sizer.predict(n, length)
+        for length in range(1, max_length + 1)
+        for n in range(1, config.max_items + 1)
+        if n == 1 or n * length <= config.max_tokens
+    )
+
+
+def test_warm_up_is_skipped_where_the_caps_alone_bind_every_batch():
+    model = FakeEmbedder(max_input_tokens=512)
+    ran, forward = [], model.forward
+    model.forward = lambda items: ran.append(len(items)) or forward(items)
+    probe = Probe(free_bytes=0, limit=MemoryLimit("cgroup", 2**40, "/x"))
+    runner = runner_for(model, probe)
+    peak = largest_capped_peak(runner)
+    probe.free_bytes = math.ceil(peak / WARM_UP_MEMORY_SHARE)  # headroom 0: the budget
+    report = runner.warm_up()
+    assert ran == []
+    assert report.stopped.startswith("the largest batch the caps allow (8 x 512 tokens)")
+    assert report.proven_length is None
+    assert runner.sizer.proven_bytes is None and runner.sizer.ceiling_bytes == math.inf
+
+
+def test_warm_up_runs_where_memory_could_bind_a_batch_or_cannot_be_read():
+    """A byte less free than the skip needs, and the ladder runs; so it does with no free
+    memory reading at all."""
+    for free in ("short", None):
+        model = FakeEmbedder(max_input_tokens=512)
+        ran, forward = [], model.forward
+
+        def counted(items, ran=ran, forward=forward):
+            ran.append(len(items))
+            return forward(items)
+
+        model.forward = counted
+        probe = Probe(free_bytes=None, limit=MemoryLimit("cgroup", 2**40, "/x"))
+        runner = runner_for(model, probe)
+        if free == "short":
+            probe.free_bytes = math.ceil(largest_capped_peak(runner) / WARM_UP_MEMORY_SHARE) - 1
+        report = runner.warm_up()
+        assert ran, free
+        assert report.proven_length == 512, free
 
 
 def test_an_oom_in_warm_up_halves_the_batch_and_lowers_the_ceiling_it_then_stops_at():
