@@ -61,6 +61,10 @@ class Model(Protocol):
     for allocation failures and nothing torch-specific. A ``prepare`` may also take a
     keyword ``prompt`` (text to put before each input); one that does not is given the
     inputs with the prompt already in front.
+
+    A model may also have ``preparer()``: an object with its ``prepare`` (and
+    ``prepare_pairs``) and ``info`` but no weights, which pickles; API processes in front
+    of one engine tokenize with it. Without one, the model itself is pickled for them.
     """
 
     info: ModelInfo

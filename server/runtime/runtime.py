@@ -29,7 +29,7 @@ from batching import (
     probes_for_device,
     release_host_memory,
 )
-from models import BatchProfiler, DeviceError, Model, ModelOutOfMemory, load_model
+from models import BatchProfiler, DeviceError, Item, Model, ModelOutOfMemory, load_model
 
 from ..errors import ApiError, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
@@ -400,7 +400,6 @@ class Runtime:
         request_id: str, priority: int, query: str | None, trace: RequestTrace,
         client: ClientWatch | None, prompt: str | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
-        loop = asyncio.get_running_loop()
         assert slot.model is not None
         prepare = prepare_call(slot.model, inputs, truncate=truncate, query=query, prompt=prompt)
         chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
@@ -409,6 +408,40 @@ class Runtime:
             items = await self.tokenizer_thread.call(prepare)
         else:
             items = prepare()
+        return await self._queue_and_wait(
+            slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
+            trace=trace, client=client,
+        )  # fmt: skip
+
+    async def infer_items(
+        self,
+        items: Sequence[Item],
+        *,
+        timeout_s: float,
+        request_id: str,
+        priority: int = 0,
+        model: str | None = None,
+        trace: RequestTrace | None = None,
+        client: ClientWatch | None = None,
+    ) -> tuple[list[Any], int]:
+        """As ``infer``, for inputs already prepared (tokenized) elsewhere: the API processes
+        in front of this engine (``server/engine/``)."""
+        if self.draining:
+            raise draining()
+        if not self.ready:
+            raise not_ready()
+        slot = self.slot(model)
+        with self.work.request():
+            return await self._queue_and_wait(
+                slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
+                trace=trace if trace is not None else RequestTrace(), client=client,
+            )  # fmt: skip
+
+    async def _queue_and_wait(
+        self, slot: ModelSlot, items: Sequence[Item], *, timeout_s: float, request_id: str,
+        priority: int, trace: RequestTrace, client: ClientWatch | None,
+    ) -> tuple[list[Any], int]:  # fmt: skip
+        loop = asyncio.get_running_loop()
         trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
         now = self.clock.now()
         deadline = now + timeout_s

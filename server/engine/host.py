@@ -1,0 +1,323 @@
+"""The engine process: one ``Runtime``, its API processes, and the ZeroMQ socket between.
+
+``serve_engine`` binds the public port, starts the API processes (``worker.py``) on that
+one listening socket, and serves their requests from the runtime until SIGTERM (a drain:
+the API processes answer 503 ``draining``, admitted work finishes, every process exits 0)
+or a fatal error (exit 1). An API process that dies is started again; its queued inputs
+leave the queue as a client's would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, disable_created_metrics
+
+from ..disconnect import ConnectionWatch
+from ..errors import to_api_error
+from ..heap import freeze_startup_heap
+from ..runtime import ClientDisconnected, RequestTrace, Runtime
+from ..settings import Settings
+from . import wire
+from .merge import exposition, merge_families
+
+log = logging.getLogger("batchfit")
+
+STATE_INTERVAL_S = 0.2
+"""How often each API process hears whether the engine is ready, and its queue depth."""
+SNAPSHOT_TIMEOUT_S = 2.0
+"""A scrape waits this long for each API process's series (one that died is left out)."""
+WORKER_STOP_GRACE_S = 15.0
+"""After the drain, how long the API processes may take to answer and close."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The public port, bound once here and shared by every API process."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class WorkerProcess:
+    """One API process, as the engine sees it."""
+
+    def __init__(self, index: int, process: subprocess.Popen[bytes]) -> None:
+        self.index = index
+        self.process = process
+        self.identity: bytes | None = None
+        self.open: dict[int, ConnectionWatch] = {}
+        """Its requests in the engine, by its request number: their watch tells the
+        runtime when the request is gone (cancelled, or the process died)."""
+        self.models_sent = False
+
+
+class EngineHost:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self.runtime = Runtime(
+            settings, registry=self.registry, on_fatal=self._fatal, on_ready=freeze_startup_heap
+        )
+        self.workers: dict[int, WorkerProcess] = {}
+        self._by_identity: dict[bytes, WorkerProcess] = {}
+        self._stopping = asyncio.Event()
+        self._failed = False
+        self._collects: dict[int, tuple[asyncio.Future[None], list[Any]]] = {}
+        self._next_collect = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    async def run(self, listener: socket.socket) -> int:
+        loop = asyncio.get_running_loop()
+        self._context = zmq.asyncio.Context()
+        with tempfile.TemporaryDirectory(prefix="batchfit-engine-") as directory:
+            os.chmod(directory, 0o700)
+            self.address = f"ipc://{Path(directory) / 'engine'}"
+            self._router = self._context.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.bind(self.address)
+            self._listener = listener
+            for index in range(self.settings.api_workers):
+                self._spawn(index)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._signal)
+            starting = self._spawn_task(self.runtime.start())
+            receiving = self._spawn_task(self._receive())
+            ticking = self._spawn_task(self._tick())
+            try:
+                await self._stopping.wait()
+            finally:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+                await self._stop_workers()
+                for task in (starting, receiving, ticking):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                await self.runtime.stop()
+                self._router.close(linger=0)
+                self._context.term()
+        failed = (
+            self._failed
+            or self.runtime.startup_error is not None
+            or self.runtime.batcher_error is not None
+        )
+        return 1 if failed else 0
+
+    def _spawn_task(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _spawn(self, index: int) -> None:
+        """Start API process ``index``: its stdin brings its settings and, by closing,
+        tells it the engine is gone."""
+        fd = self._listener.fileno()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server.engine.worker"],
+            stdin=subprocess.PIPE,
+            pass_fds=(fd,),
+        )
+        assert process.stdin is not None
+        process.stdin.write(wire.dumps((self.settings, self.address, fd, index)))
+        process.stdin.flush()  # kept open: its end is the API process's sign of our life
+        worker = WorkerProcess(index, process)
+        self.workers[index] = worker
+        pidfd = os.pidfd_open(process.pid)
+        asyncio.get_running_loop().add_reader(pidfd, self._worker_exited, worker, pidfd)
+        log.info("API process %d started (pid %d)", index, process.pid)
+
+    def _worker_exited(self, worker: WorkerProcess, pidfd: int) -> None:
+        asyncio.get_running_loop().remove_reader(pidfd)
+        os.close(pidfd)
+        code = worker.process.wait()
+        with contextlib.suppress(OSError):
+            assert worker.process.stdin is not None
+            worker.process.stdin.close()
+        if worker.identity is not None:
+            self._by_identity.pop(worker.identity, None)
+        for watch in list(worker.open.values()):
+            watch.connection_lost()  # its queued inputs leave the queue
+        if self.workers.get(worker.index) is worker:
+            del self.workers[worker.index]
+        if self._stopping.is_set() or self.runtime.draining:
+            return
+        log.error("API process %d (pid %d) exited with %s; starting it again",
+                  worker.index, worker.process.pid, code)  # fmt: skip
+        self._spawn(worker.index)
+
+    def _signal(self) -> None:
+        if self.runtime.draining:
+            log.warning("second signal: answering what is left with 503 and stopping")
+            self.runtime.abort()
+            return
+        self._spawn_task(self._drain())
+
+    async def _drain(self) -> None:
+        self.runtime.begin_drain()
+        self._send_state()
+        try:
+            await self.runtime.drain(self.settings.drain_timeout_s)
+            # The last answers are on their way to the API processes.
+            while any(worker.open for worker in self.workers.values()):
+                await asyncio.sleep(0.01)
+        finally:
+            self._stopping.set()
+
+    def _fatal(self) -> None:
+        self._failed = True
+        self._stopping.set()
+
+    async def _stop_workers(self) -> None:
+        """Tell every API process to stop once its requests are answered; wait for them."""
+        self.runtime.begin_drain()
+        self._send_state()
+        for worker in list(self.workers.values()):
+            if worker.identity is not None:
+                self._send(worker.identity, wire.STOP, ())
+        deadline = asyncio.get_running_loop().time() + WORKER_STOP_GRACE_S
+        while self.workers and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        for worker in list(self.workers.values()):
+            log.warning("API process %d did not stop; killing it", worker.index)
+            worker.process.kill()
+            worker.process.wait()
+
+    async def _tick(self) -> None:
+        while True:
+            self._send_state()
+            await asyncio.sleep(STATE_INTERVAL_S)
+
+    # -- messages ------------------------------------------------------------------------
+
+    def _send(self, identity: bytes, kind: bytes, header: Any, *frames: Any) -> None:
+        self._router.send_multipart([identity, kind, wire.dumps(header), *frames], copy=False)
+
+    def _send_state(self) -> None:
+        runtime = self.runtime
+        state = (runtime.ready, runtime.draining, len(runtime.queue))
+        for worker in self.workers.values():
+            if worker.identity is None:
+                continue
+            if runtime.slots and not worker.models_sent:
+                worker.models_sent = True
+                self._send(worker.identity, wire.MODELS, self._models())
+            self._send(worker.identity, wire.STATE, state)
+
+    def _models(self) -> list[tuple[str, Any, Any, float]]:
+        """Each model's name, card, what tokenizes for it and its inline limit."""
+        found = []
+        for name, slot in self.runtime.slots.items():
+            model = slot.model
+            preparer = model.preparer() if hasattr(model, "preparer") else model
+            found.append((name, slot.card(), preparer, slot.inline_tokenize_chars))
+        return found
+
+    async def _receive(self) -> None:
+        while True:
+            identity, kind, header, *frames = await self._router.recv_multipart(copy=True)
+            try:
+                self._handle(identity, kind, wire.loads(header), frames)
+            except Exception:
+                log.exception("bad message %r from an API process", kind)
+
+    def _handle(self, identity: bytes, kind: bytes, header: Any, frames: list[bytes]) -> None:
+        if kind == wire.HELLO:
+            (index,) = header
+            worker = self.workers.get(index)
+            if worker is not None:
+                worker.identity = identity
+                self._by_identity[identity] = worker
+                self._send_state()
+            return
+        worker = self._by_identity.get(identity)
+        if worker is None:
+            return  # a process that has exited already
+        if kind == wire.INFER:
+            number = header[0]
+            watch = worker.open[number] = ConnectionWatch()
+            self._spawn_task(self._infer(worker, identity, header, frames[0], watch))
+        elif kind == wire.CANCEL:
+            watch = worker.open.get(header[0])
+            if watch is not None:
+                watch.connection_lost()
+        elif kind == wire.METRICS:
+            self._spawn_task(self._scrape(identity, header[0]))
+        elif kind == wire.SNAPSHOT:
+            number, families = header
+            waiting = self._collects.get(number)
+            if waiting is not None:
+                waiting[1].append(families)
+                if len(waiting[1]) >= len(self._by_identity) and not waiting[0].done():
+                    waiting[0].set_result(None)
+
+    async def _infer(
+        self, worker: WorkerProcess, identity: bytes, header: Any, items_frame: bytes,
+        watch: ConnectionWatch,
+    ) -> None:  # fmt: skip
+        number, model, timeout_s, priority, request_id = header
+        trace = RequestTrace()
+        try:
+            outputs, tokens = await self.runtime.infer_items(
+                wire.loads(items_frame), timeout_s=timeout_s, request_id=request_id,
+                priority=priority, model=model, trace=trace, client=watch,
+            )  # fmt: skip
+            meta, frames = wire.encode_outputs(outputs)
+            answer = (number, meta, tokens, trace.queue_wait_s, trace.batch_sizes)
+            self._send(identity, wire.RESULT, answer, *frames)
+        except ClientDisconnected:
+            pass  # the API process has answered its client already
+        except Exception as exc:
+            error = to_api_error(exc)
+            detail = (number, error.status, error.error_type, error.message, error.retry_after_s)
+            self._send(identity, wire.ERROR, detail)
+        finally:
+            worker.open.pop(number, None)
+
+    async def _scrape(self, identity: bytes, number: int) -> None:
+        """Merge the engine's series with every API process's; answer ``identity``."""
+        collect = self._next_collect = self._next_collect + 1
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        snapshots: list[Any] = []
+        self._collects[collect] = (done, snapshots)
+        try:
+            for other in list(self._by_identity):
+                self._send(other, wire.COLLECT, (collect,))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done, SNAPSHOT_TIMEOUT_S)
+        finally:
+            del self._collects[collect]
+        families = merge_families([list(self.registry.collect()), *snapshots])
+        self._send(identity, wire.EXPOSITION, (number,), exposition(families))
+
+
+def serve_engine(settings: Settings) -> int:
+    """``batchfit serve`` with ``--api-workers`` of 2 or more."""
+    listener = listening_socket(settings.host, settings.port)
+    log.info(
+        "listening on http://%s:%d with %d API processes; loading the model (/health/ready "
+        "is 503 until ready)", settings.host, settings.port, settings.api_workers,
+    )  # fmt: skip
+    try:
+        return asyncio.run(EngineHost(settings).run(listener))
+    finally:
+        listener.close()

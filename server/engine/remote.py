@@ -1,0 +1,296 @@
+"""An API process's view of the engine: a stand-in for ``Runtime`` that the app's routes
+use as they use the real one, with the queue, batcher and model in the engine process.
+
+Inputs are tokenized here (inline, or on a tokenizer thread past the engine's measured
+limit) and sent as items; the answer's future ends on the engine's result or error, the
+deadline (with a grace for the engine's own answer), the client going away, or the engine
+process going away (503 ``engine_unavailable`` at once: its end of our stdin closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from batching import ModelThread
+from models import ModelInfo
+
+from ..errors import ApiError, draining, model_not_found, not_ready
+from ..metrics import ServerMetrics
+from ..runtime import ClientDisconnected, ClientWatch, RequestTrace
+from ..runtime.slot import prepare_call
+from ..settings import Settings
+from . import wire
+
+log = logging.getLogger("batchfit")
+
+DEADLINE_GRACE_S = 5.0
+"""The engine answers 504 at a request's deadline; this long after it, we do."""
+
+
+def engine_gone() -> ApiError:
+    return ApiError(
+        503, "engine_unavailable", "the engine process of this replica stopped; retry",
+        retry_after_s=1,
+    )  # fmt: skip
+
+
+class RemoteSlot:
+    """A model served by the engine: what the routes read of a ``ModelSlot``."""
+
+    def __init__(self, name: str, card: dict[str, Any], preparer: Any, inline: float) -> None:
+        self.name = name
+        self._card = card
+        self.model = preparer
+        self.inline_tokenize_chars = inline
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.model.info
+
+    def card(self) -> dict[str, Any]:
+        return dict(self._card)
+
+
+class QueueDepth:
+    """``len()`` of the engine's queue, as last reported (the status page reads it)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __len__(self) -> int:
+        return self.depth
+
+
+class RemoteRuntime:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry,
+        address: str,
+        index: int,
+        stdin_fd: int,
+        on_exit: Callable[[int], None],
+    ) -> None:
+        self.settings = settings
+        self.config = settings.server_config()
+        self.registry = registry
+        self.metrics = ServerMetrics(registry, max_latency_s=settings.max_timeout_s)
+        self.slots: dict[str, RemoteSlot] = {}
+        self.queue = QueueDepth()
+        self.profiler = None
+        self.startup_error: BaseException | None = None
+        self.batcher_error: BaseException | None = None
+        self._address = address
+        self._index = index
+        self._stdin_fd = stdin_fd
+        self._on_exit = on_exit
+        self._engine_ready = False
+        self._engine_draining = False
+        self._stopping = False
+        self.engine_lost = False
+        self._numbers = itertools.count()
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._tokenizer = ModelThread("batchfit-tokenize")
+        self._receiving: asyncio.Task[None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.slots) and self._engine_ready and not self.draining
+
+    @property
+    def draining(self) -> bool:
+        return self._engine_draining or self._stopping or self.engine_lost
+
+    def slot(self, name: str | None = None, *, task: str | None = None) -> RemoteSlot:
+        """As ``Runtime.slot``."""
+        if not self.slots:
+            raise not_ready()
+        if name is None:
+            slots = list(self.slots.values())
+            of_task = [s for s in slots if task is not None and s.info.task == task]
+            return (of_task or slots)[0]
+        found = self.slots.get(name)
+        if found is None:
+            raise model_not_found(name, list(self.slots))
+        return found
+
+    # -- lifetime (the app's lifespan) ---------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(self._address)
+        loop.add_reader(self._stdin_fd, self._stdin_readable)
+        await self._tokenizer.call(int)
+        self._receiving = asyncio.create_task(self._receive(), name="batchfit-engine-link")
+        self._send(wire.HELLO, (self._index,))
+
+    async def stop(self) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self._stdin_fd)
+        if self._receiving is not None:
+            self._receiving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._receiving
+        self._fail_pending(engine_gone())
+        self._socket.close(linger=0)
+        self._context.term()
+        self._tokenizer.close(wait=False)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Only the engine drains; here nothing is left once it has answered."""
+        return True
+
+    def abort(self) -> int:
+        return 0
+
+    def _stdin_readable(self) -> None:
+        try:
+            data = os.read(self._stdin_fd, 4096)
+        except OSError:
+            data = b""
+        if data:
+            return
+        asyncio.get_running_loop().remove_reader(self._stdin_fd)
+        if self._stopping:
+            return
+        log.error("the engine process is gone; failing %d requests and stopping",
+                  len(self._pending))  # fmt: skip
+        self.engine_lost = True
+        self._fail_pending(engine_gone())
+        self._on_exit(1)
+
+    def _fail_pending(self, error: Exception) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    # -- messages ------------------------------------------------------------------------
+
+    def _send(self, kind: bytes, header: Any, *frames: Any) -> None:
+        self._socket.send_multipart([kind, wire.dumps(header), *frames], copy=False)
+
+    async def _receive(self) -> None:
+        while True:
+            kind, header, *frames = await self._socket.recv_multipart(copy=True)
+            try:
+                self._handle(kind, wire.loads(header), frames)
+            except Exception:
+                log.exception("bad message %r from the engine", kind)
+
+    def _handle(self, kind: bytes, header: Any, frames: list[bytes]) -> None:
+        if kind == wire.RESULT:
+            future = self._pending.get(header[0])
+            if future is not None and not future.done():
+                future.set_result((header, frames))
+        elif kind == wire.ERROR:
+            number, status, error_type, message, retry_after_s = header
+            future = self._pending.get(number)
+            if future is not None and not future.done():
+                future.set_exception(
+                    ApiError(status, error_type, message, retry_after_s=retry_after_s)
+                )
+        elif kind == wire.STATE:
+            self._engine_ready, self._engine_draining, self.queue.depth = header
+        elif kind == wire.MODELS:
+            self.slots = {name: RemoteSlot(name, *rest) for name, *rest in header}
+        elif kind == wire.COLLECT:
+            (number,) = header
+            self._send(wire.SNAPSHOT, (number, list(self.registry.collect())))
+        elif kind == wire.EXPOSITION:
+            future = self._pending.get(header[0])
+            if future is not None and not future.done():
+                future.set_result(frames[0])
+        elif kind == wire.STOP:
+            self._stopping = True
+            asyncio.get_running_loop().create_task(self._stop_when_answered())
+
+    async def _stop_when_answered(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0.01)
+        self._on_exit(0)
+
+    async def _call(self, kind: bytes, header: tuple[Any, ...], *frames: Any,
+                    timeout_s: float, client: ClientWatch | None = None) -> Any:  # fmt: skip
+        """Send a request numbered here; wait for the engine's answer to it."""
+        if self.engine_lost:
+            raise engine_gone()
+        loop = asyncio.get_running_loop()
+        number = next(self._numbers)
+        future = self._pending[number] = loop.create_future()
+
+        def client_gone() -> None:
+            if not future.done():
+                future.set_exception(ClientDisconnected())
+                self._send(wire.CANCEL, (number,))
+
+        def too_late() -> None:
+            if not future.done():
+                future.set_exception(
+                    ApiError(504, "deadline_exceeded", "the engine did not answer in time")
+                )
+                self._send(wire.CANCEL, (number,))
+
+        timer = loop.call_later(timeout_s, too_late)
+        unsubscribe = client.subscribe(client_gone) if client is not None else None
+        try:
+            self._send(kind, (number, *header), *frames)
+            return await future
+        finally:
+            timer.cancel()
+            if unsubscribe is not None:
+                unsubscribe()
+            del self._pending[number]
+
+    async def exposition(self) -> bytes:
+        """The replica's metrics, merged by the engine (``merge.py``)."""
+        return await self._call(wire.METRICS, (), timeout_s=10.0)
+
+    async def infer(
+        self,
+        inputs: Sequence[str],
+        *,
+        truncate: bool,
+        timeout_s: float,
+        request_id: str,
+        priority: int = 0,
+        model: str | None = None,
+        query: str | None = None,
+        trace: RequestTrace | None = None,
+        prompt: str | None = None,
+        client: ClientWatch | None = None,
+    ) -> tuple[list[Any], int]:
+        """As ``Runtime.infer``: tokenized here, queued and run in the engine."""
+        if self.draining:
+            raise draining()
+        if not self.ready:
+            raise not_ready()
+        slot = self.slot(model)
+        trace = trace if trace is not None else RequestTrace()
+        prepare = prepare_call(slot.model, inputs, truncate=truncate, query=query, prompt=prompt)
+        chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
+        chars += len(prompt or "") * len(inputs)
+        if chars > slot.inline_tokenize_chars:
+            items = await self._tokenizer.call(prepare)
+        else:
+            items = prepare()
+        trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
+        header, frames = await self._call(
+            wire.INFER, (slot.name, timeout_s, priority, request_id), wire.dumps(items),
+            timeout_s=timeout_s + DEADLINE_GRACE_S, client=client,
+        )  # fmt: skip
+        _, meta, tokens, trace.queue_wait_s, trace.batch_sizes = header
+        return wire.decode_outputs(meta, frames), tokens

@@ -1,0 +1,75 @@
+"""One API process (``python -m server.engine.worker``, started by the engine only).
+
+Its stdin brings the settings, the engine's address, the listening socket's descriptor and
+its index, and stays open: when it closes, the engine is gone. It serves the same app as a
+single-process replica, on the shared socket, with a ``RemoteRuntime`` in place of the
+runtime. Signals are the engine's to handle: the engine tells it when to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from ..app import create_app
+from ..cli import configure_logging
+from ..one_write import OneWriteHTTPProtocol
+from ..supervise.nginx import UVICORN_KEEP_ALIVE_S
+from .remote import RemoteRuntime
+
+
+class WorkerServer(uvicorn.Server):
+    """Leaves SIGTERM and SIGINT to the engine, which drains the replica and says when."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def main() -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    stdin = sys.stdin.buffer
+    # NOTE: one pickle and no more: what is left of stdin is read only to see it close.
+    settings, address, fd, index = pickle.load(stdin)
+    configure_logging(settings.log_level)
+    listener = socket.socket(fileno=fd)
+    exit_code = 0
+
+    def on_exit(code: int) -> None:
+        nonlocal exit_code
+        exit_code = max(exit_code, code)
+        server.should_exit = True
+
+    registry = CollectorRegistry()
+    runtime = RemoteRuntime(
+        settings, registry=registry, address=address, index=index,
+        stdin_fd=stdin.fileno(), on_exit=on_exit,
+    )  # fmt: skip
+    app = create_app(settings, runtime=runtime, registry=registry)
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        http=OneWriteHTTPProtocol,
+        log_config=None,
+        access_log=False,
+        timeout_keep_alive=UVICORN_KEEP_ALIVE_S,
+        timeout_graceful_shutdown=10,
+        lifespan="on",
+    )
+    server = WorkerServer(config)
+    server.run(sockets=[listener])
+    return exit_code
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    sys.exit(main())
