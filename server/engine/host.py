@@ -82,6 +82,7 @@ class EngineHost:
         self._collects: dict[int, tuple[asyncio.Future[None], list[Any]]] = {}
         self._next_collect = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._models_message: bytes | None = None
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -220,17 +221,32 @@ class EngineHost:
                 continue
             if runtime.slots and not worker.models_sent:
                 worker.models_sent = True
-                self._send(worker.identity, wire.MODELS, self._models())
+                models = self._models()
+                if models is None:
+                    return
+                self._router.send_multipart([worker.identity, wire.MODELS, models])
             self._send(worker.identity, wire.STATE, state)
 
-    def _models(self) -> list[tuple[str, Any, Any, float]]:
-        """Each model's name, card, what tokenizes for it and its inline limit."""
-        found = []
-        for name, slot in self.runtime.slots.items():
-            model = slot.model
-            preparer = model.preparer() if hasattr(model, "preparer") else model
-            found.append((name, slot.card(), preparer, slot.inline_tokenize_chars))
-        return found
+    def _models(self) -> bytes | None:
+        """Each model's name, card, what tokenizes for it and its inline limit, pickled
+        once; None (and the replica stops) where a model cannot be sent."""
+        if self._models_message is None:
+            found = []
+            for name, slot in self.runtime.slots.items():
+                model = slot.model
+                preparer = model.preparer() if hasattr(model, "preparer") else model
+                found.append((name, slot.card(), preparer, slot.inline_tokenize_chars))
+            try:
+                self._models_message = wire.dumps(found)
+            except Exception as exc:
+                log.error(
+                    "--api-workers: a model's tokenizer cannot be sent to the API processes "
+                    "(%s); give the model a preparer() (models/base.py) or serve it with "
+                    "--api-workers 1", exc,
+                )  # fmt: skip
+                self._fatal()
+                return None
+        return self._models_message
 
     async def _receive(self) -> None:
         while True:

@@ -4,7 +4,7 @@ The engine records batching, memory and readiness; each API process records its 
 requests, latencies and answered inputs. A scrape asks each API process for its registry's
 families and merges them with the engine's: counters, histograms and gauges are summed per
 label set (an API process never sets the engine's gauges, so those read as the engine's),
-info and state-set series are taken once.
+info and state-set series (and ``_created`` times, where enabled) are taken once.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def merge_families(sources: Sequence[Iterable[Metric]]) -> list[Metric]:
                 seen = samples.get(key)
                 if seen is None:
                     samples[key] = sample
-                elif family.type not in _TAKEN_ONCE:
+                elif family.type not in _TAKEN_ONCE and not sample.name.endswith("_created"):
                     samples[key] = seen._replace(value=seen.value + sample.value)
     for name, target in merged.items():
         target.samples = list(values[name].values())

@@ -1,0 +1,271 @@
+"""``--api-workers``: the same replica behaviour with one process and with API processes in
+front of one engine. A file-gated fake model holds batches while a test looks (no timing);
+the bundled model checks the answers and the standard clients through two API processes."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import tritonclient.http as triton
+
+from tests.fakes import GATE_ENV
+from tests.integration.test_server import SENTENCES, reference  # noqa: F401 (a fixture)
+from tests.rawhttp import send_request
+from tests.servers import ServerProcess, run_server
+
+pytestmark = pytest.mark.integration
+
+KEY = "workers-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+QUEUE_ITEMS = 16
+GATED = ("--model", "python:tests.fakes:file_gated_model", "--max-wait-ms", "0",
+         "--max-batch-size", "1", "--max-queue-items", str(QUEUE_ITEMS),
+         "--max-inputs-per-request", str(QUEUE_ITEMS))  # fmt: skip
+
+
+def scrape(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=30).text
+
+
+def value(text: str, name: str, labels: str = "") -> float:
+    pattern = "^" + re.escape(name + (f"{{{labels}}}" if labels else "")) + r" (\S+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def poll(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def infer(url: str, body: dict, timeout_s: float = 60) -> httpx.Response:
+    return httpx.post(f"{url}/v1/infer", json=body, headers=AUTH, timeout=timeout_s)
+
+
+def children(pid: int) -> list[int]:
+    found = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return sorted(int(child) for child in found)
+
+
+class Gated:
+    def __init__(self, server: ServerProcess, gate: Path) -> None:
+        self.server, self.gate, self.url = server, gate, server.url
+
+    @contextlib.contextmanager
+    def held(self, pool: ThreadPoolExecutor) -> Iterator[Future]:
+        """While inside, the model thread runs a batch that waits for the gate."""
+        self.gate.unlink(missing_ok=True)
+        running = pool.submit(infer, self.url, {"inputs": ["hold"]}, 120)
+        poll(lambda: value(scrape(self.url), "batchfit_open_items") >= 1)
+        try:
+            yield running
+        finally:
+            self.gate.touch()
+            assert running.result(120).status_code == 200
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["api-workers-1", "api-workers-2"])
+def gated(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"workers{request.param}")
+    keys = folder / "keys"
+    keys.write_text(f"{KEY}\n")
+    gate = folder / "gate"
+    gate.touch()
+    with run_server(
+        folder, *GATED, "--api-workers", str(request.param), "--api-key-file", str(keys),
+        env={GATE_ENV: str(gate)},
+    ) as server:  # fmt: skip
+        yield Gated(server, gate)
+
+
+def test_health_models_status_and_the_api_key(gated):
+    url = gated.url
+    assert httpx.get(f"{url}/health/live").status_code == 200
+    assert httpx.get(f"{url}/health/ready").status_code == 200
+    assert httpx.get(f"{url}/v2/health/ready").status_code == 200
+    assert httpx.get(f"{url}/v1/models", headers=AUTH).json()["models"][0]["name"] == "scripted"
+    status = httpx.get(f"{url}/status.json", headers=AUTH).json()
+    assert status["ready"] is True and status["draining"] is False
+    denied = httpx.post(f"{url}/v1/infer", json={"inputs": "a"})
+    assert denied.status_code == 401 and denied.json()["error_type"] == "unauthorized"
+    answered = infer(url, {"inputs": ["a b", "c"]})
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["usage"]["input_tokens"] == 4 + 3
+
+
+def test_one_scrape_counts_every_request_of_the_replica(gated):
+    before = scrape(gated.url)
+    num_requests = 8
+    for i in range(num_requests):  # a connection each: the API processes share them out
+        assert infer(gated.url, {"inputs": [f"count {i}"]}).status_code == 200
+    after = scrape(gated.url)
+    labels = 'code="200",endpoint="/v1/infer",error_type=""'
+    sent = value(after, "batchfit_requests_total", labels) - value(
+        before, "batchfit_requests_total", labels
+    )
+    assert sent == num_requests
+    inputs = value(after, "batchfit_inputs_total", 'model="scripted"') - value(
+        before, "batchfit_inputs_total", 'model="scripted"'
+    )
+    assert inputs == num_requests
+    # The engine's own series are in the same scrape.
+    assert value(after, "batchfit_ready") == 1
+    assert value(after, "batchfit_batch_size_count", 'model="scripted"') >= num_requests
+
+
+def test_priorities_order_the_queue(gated):
+    with ThreadPoolExecutor(3) as pool, gated.held(pool):
+        low = pool.submit(infer, gated.url, {"inputs": ["low"], "priority": 0})
+        poll(lambda: value(scrape(gated.url), "batchfit_queue_depth") == 1)
+        high = pool.submit(infer, gated.url, {"inputs": ["high"], "priority": 5})
+        poll(lambda: value(scrape(gated.url), "batchfit_queue_depth") == 2)
+    assert high.result(60).json()["outputs"][0] < low.result(60).json()["outputs"][0]
+
+
+def test_a_full_queue_is_429_and_a_deadline_504_that_frees_its_place(gated):
+    with ThreadPoolExecutor(3) as pool, gated.held(pool):
+        late = infer(gated.url, {"inputs": ["late"], "timeout_s": 0.2})
+        assert late.status_code == 504, late.text
+        assert late.json()["error_type"] == "deadline_exceeded"
+        poll(lambda: value(scrape(gated.url), "batchfit_queue_depth") == 0)
+        filling = pool.submit(infer, gated.url, {"inputs": ["fill"] * QUEUE_ITEMS})
+        poll(lambda: value(scrape(gated.url), "batchfit_queue_depth") == QUEUE_ITEMS)
+        refused = infer(gated.url, {"inputs": ["one more"]})
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error_type"] == "overloaded"
+        assert "retry-after" in refused.headers
+    assert filling.result(60).status_code == 200
+
+
+def test_a_client_gone_takes_its_queued_inputs_out_of_the_engine(gated):
+    labels = 'stage="queued"'
+    with ThreadPoolExecutor(3) as pool, gated.held(pool):
+        before = value(scrape(gated.url), "batchfit_cancelled_items_total", labels)
+        body = b'{"inputs": ["gone 1", "gone 2", "gone 3"]}'
+        sock = send_request(gated.server.port, body, headers=AUTH)
+        poll(lambda: value(scrape(gated.url), "batchfit_queue_depth") == 3)
+        sock.close()
+        poll(lambda: value(scrape(gated.url), "batchfit_queue_depth") == 0)
+        after = value(scrape(gated.url), "batchfit_cancelled_items_total", labels)
+    assert after - before == 3
+
+
+# -- the bundled model through two API processes (one process: tests/integration/test_protocols.py)
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("minilm-workers"), "--api-workers", "2") as server:
+        yield server
+
+
+def test_answers_match_the_reference_through_every_protocol(minilm, reference):  # noqa: F811
+    native = httpx.post(f"{minilm.url}/v1/infer", json={"inputs": SENTENCES}, timeout=60)
+    assert native.status_code == 200, native.text
+    outputs = np.asarray(native.json()["outputs"], dtype=np.float32)
+    assert np.allclose(outputs, reference, atol=1e-4)
+    with openai.OpenAI(base_url=f"{minilm.url}/v1", api_key="unused", max_retries=0) as client:
+        for encoding_format in ("float", "base64"):
+            answer = client.embeddings.create(
+                model="all-MiniLM-L6-v2", input=SENTENCES, encoding_format=encoding_format
+            )
+            vectors = np.asarray(
+                [
+                    np.frombuffer(base64.b64decode(d.embedding), dtype=np.float32)
+                    if encoding_format == "base64"
+                    else d.embedding
+                    for d in answer.data
+                ],
+                dtype=np.float32,
+            )
+            assert np.allclose(vectors, reference, atol=1e-4)
+    v2 = triton.InferenceServerClient(f"127.0.0.1:{minilm.port}", network_timeout=60)
+    try:
+        assert v2.is_server_ready()
+        text = triton.InferInput("text", [len(SENTENCES)], "BYTES")
+        text.set_data_from_numpy(np.asarray(SENTENCES, dtype=object))
+        result = v2.infer("all-MiniLM-L6-v2", [text])
+        assert np.allclose(result.as_numpy("embedding"), reference, atol=1e-4)
+    finally:
+        v2.close()
+
+
+# -- drain and failover, two API processes
+
+
+def gated_replica(tmp_path: Path, *flags: str) -> contextlib.AbstractContextManager:
+    gate = tmp_path / "gate"
+    gate.touch()
+    return run_server(tmp_path, *GATED, "--api-workers", "2", *flags, env={GATE_ENV: str(gate)})
+
+
+def test_sigterm_drains_through_the_api_processes_then_every_process_exits_0(tmp_path):
+    with (
+        gated_replica(tmp_path, "--drain-timeout-s", "120") as server,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        workers = children(server.process.pid)
+        assert len(workers) == 2
+        gated = Gated(server, tmp_path / "gate")
+        gated.gate.unlink()
+        held = [pool.submit(infer, server.url, {"inputs": [f"hold {i}"]}, 120) for i in range(3)]
+        poll(lambda: value(scrape(server.url), "batchfit_active_infer_requests") == 3)
+        server.process.send_signal(signal.SIGTERM)
+        for _ in range(4):  # whichever API process answers
+            ready = httpx.get(f"{server.url}/health/ready", timeout=10)
+            assert ready.status_code == 503 and ready.json()["error_type"] == "draining"
+            refused = infer(server.url, {"inputs": ["new"]})
+            assert refused.status_code == 503 and refused.json()["error_type"] == "draining"
+        assert not any(f.done() for f in held)
+        gated.gate.touch()
+        for future in held:
+            assert future.result(120).status_code == 200
+        assert server.process.wait(60) == 0
+        poll(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers))
+    assert "drained: every admitted request was answered" in server.log()
+    assert "Traceback" not in server.log()
+
+
+def test_a_killed_engine_ends_every_request_with_503_and_the_api_processes_exit(tmp_path):
+    with gated_replica(tmp_path) as server, ThreadPoolExecutor(4) as pool:
+        workers = children(server.process.pid)
+        (tmp_path / "gate").unlink()
+        held = [pool.submit(infer, server.url, {"inputs": [f"hold {i}"]}, 60) for i in range(4)]
+        poll(lambda: value(scrape(server.url), "batchfit_active_infer_requests") == 4)
+        server.process.send_signal(signal.SIGKILL)
+        assert server.process.wait(30) != 0
+        for future in held:
+            answer = future.result(60)  # a hang would raise here instead
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error_type"] == "engine_unavailable"
+        poll(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers))
+        with pytest.raises(httpx.TransportError):  # nothing listens any more
+            httpx.get(f"{server.url}/health/live", timeout=5)
+
+
+def test_a_killed_api_process_is_started_again_and_the_replica_serves_on(tmp_path):
+    with gated_replica(tmp_path) as server:
+        first, second = children(server.process.pid)
+        os.kill(first, signal.SIGKILL)
+        poll(lambda: first not in (now := children(server.process.pid)) and len(now) == 2)
+        replacement = next(p for p in children(server.process.pid) if p != second)
+        for i in range(10):  # new connections: both API processes answer some
+            assert infer(server.url, {"inputs": [f"after {i}"]}).status_code == 200
+        poll(lambda: httpx.get(f"{server.url}/health/ready").status_code == 200)
+        assert server.process.poll() is None
+        assert replacement != first
+    assert "starting it again" in server.log()
