@@ -195,6 +195,8 @@ class EngineHost:
         for worker in list(self.workers.values()):
             if worker.identity is not None:
                 self._send(worker.identity, wire.STOP, ())
+            else:  # still starting: it serves nothing yet
+                worker.process.kill()
         deadline = asyncio.get_running_loop().time() + WORKER_STOP_GRACE_S
         while self.workers and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)

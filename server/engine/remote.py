@@ -25,6 +25,7 @@ from batching import ModelThread
 from models import ModelInfo
 
 from ..errors import ApiError, draining, model_not_found, not_ready
+from ..heap import freeze_startup_heap
 from ..metrics import ServerMetrics
 from ..runtime import ClientDisconnected, ClientWatch, RequestTrace
 from ..runtime.slot import prepare_call
@@ -207,6 +208,7 @@ class RemoteRuntime:
             self._engine_ready, self._engine_draining, self.queue.depth = header
         elif kind == wire.MODELS:
             self.slots = {name: RemoteSlot(name, *rest) for name, *rest in header}
+            freeze_startup_heap()  # as a single-process replica does once ready
         elif kind == wire.COLLECT:
             (number,) = header
             self._send(wire.SNAPSHOT, (number, list(self.registry.collect())))
@@ -274,6 +276,8 @@ class RemoteRuntime:
         client: ClientWatch | None = None,
     ) -> tuple[list[Any], int]:
         """As ``Runtime.infer``: tokenized here, queued and run in the engine."""
+        if self.engine_lost:
+            raise engine_gone()
         if self.draining:
             raise draining()
         if not self.ready:
