@@ -45,8 +45,9 @@ def every_worker_started(replica: Replica, num_workers: int, timeout_s: float = 
 
 
 def run_workers(plan: WorkersPlan, log_dir: Path) -> dict[str, Any]:
+    # INFO, after the bench's WARNING: each API process says when it has started.
     flags = ["--model", plan.model, "--api-workers", str(plan.api_workers),
-             "--max-queue-items", "100000"]  # fmt: skip
+             "--max-queue-items", "100000", "--log-level", "info", "--no-access-log"]  # fmt: skip
     if plan.model != NOOP:
         flags += ["--device", plan.device, "--dtype", plan.dtype]
     body = orjson.dumps({"inputs": [TEXT]})
