@@ -104,6 +104,7 @@ class RemoteRuntime:
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._tokenizer = ModelThread("batchfit-tokenize")
         self._receiving: asyncio.Task[None] | None = None
+        self._heard: asyncio.Event | None = None
 
     @property
     def ready(self) -> bool:
@@ -136,8 +137,18 @@ class RemoteRuntime:
         self._socket.connect(self._address)
         loop.add_reader(self._stdin_fd, self._stdin_readable)
         await self._tokenizer.call(int)
+        self._heard = asyncio.Event()
         self._receiving = asyncio.create_task(self._receive(), name="batchfit-engine-link")
         self._send(wire.HELLO, (self._index,))
+
+    async def heard_from_engine(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the engine's first word: its models, if it is
+        ready, come before it. The API process listens only then, so that it never answers
+        503 ``not_ready`` beside others that are ready."""
+        while self._heard is None:  # the lifespan's start-up task has not run yet
+            await asyncio.sleep(0.001)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._heard.wait(), timeout_s)
 
     async def stop(self) -> None:
         with contextlib.suppress(ValueError, OSError):
@@ -206,6 +217,8 @@ class RemoteRuntime:
                 )
         elif kind == wire.STATE:
             self._engine_ready, self._engine_draining, self.queue.depth = header
+            if self._heard is not None:
+                self._heard.set()
         elif kind == wire.MODELS:
             self.slots = {name: RemoteSlot(name, *rest) for name, *rest in header}
             freeze_startup_heap()  # as a single-process replica does once ready

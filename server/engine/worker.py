@@ -25,13 +25,32 @@ from ..one_write import OneWriteHTTPProtocol
 from ..supervise.nginx import UVICORN_KEEP_ALIVE_S
 from .remote import RemoteRuntime
 
+HANDSHAKE_TIMEOUT_S = 30.0
+
 
 class WorkerServer(uvicorn.Server):
-    """Leaves SIGTERM and SIGINT to the engine, which drains the replica and says when."""
+    """Leaves SIGTERM and SIGINT to the engine, which drains the replica and says when;
+    listens once the engine has said whether it is ready."""
+
+    def __init__(self, config: uvicorn.Config, runtime: RemoteRuntime) -> None:
+        super().__init__(config)
+        self._runtime = runtime
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # NOTE: uvicorn runs the lifespan's start-up (which connects to the engine) and
+        # then listens, within this one method; the wait goes between the two.
+        lifespan_startup = self.lifespan.startup
+
+        async def start_then_hear() -> None:
+            await lifespan_startup()
+            await self._runtime.heard_from_engine(HANDSHAKE_TIMEOUT_S)
+
+        self.lifespan.startup = start_then_hear  # type: ignore[method-assign]
+        await super().startup(sockets)
 
 
 def main() -> int:
@@ -65,7 +84,7 @@ def main() -> int:
         timeout_graceful_shutdown=10,
         lifespan="on",
     )
-    server = WorkerServer(config)
+    server = WorkerServer(config, runtime)
     server.run(sockets=[listener])
     return exit_code
 
