@@ -54,6 +54,7 @@ WHEELS = (
     "pydantic-core",
     "pydantic-settings",
     "python-dotenv",
+    "pyzmq",
     "starlette",
     "typing-inspection",
     "uvicorn",
