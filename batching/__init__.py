@@ -31,6 +31,7 @@ from .planner import (
     cheapest_window,
     largest_batch,
     plan_batch,
+    refused_alone,
     split,
 )
 from .probes import (
@@ -43,6 +44,8 @@ from .probes import (
     ProbeError,
     TorchCudaProbe,
     limit_address_space,
+    limit_kills,
+    refusal_room,
     release_host_memory,
     tune_host_allocator,
 )
@@ -55,13 +58,23 @@ from .sizer import (
     PeakModel,
     Sizer,
     fit_envelope,
+    prior_for,
     prior_peak_model,
 )
 from .timing import BatchTimeModel, fit_time_model
-from .warmup import WarmUp
+from .warmup import (
+    WARMUP_BATCHES,
+    CalibrationStep,
+    WarmUp,
+    WarmUpPlanner,
+    WarmUpReport,
+    calibration_lengths,
+    scouts,
+)
 
 __all__ = [
     "LIMIT_SOURCES",
+    "WARMUP_BATCHES",
     "AdaptiveConfig",
     "AdaptiveSizer",
     "BatchBudget",
@@ -72,6 +85,7 @@ __all__ = [
     "BatcherConfig",
     "BatchingError",
     "BatchingMetrics",
+    "CalibrationStep",
     "Clock",
     "CompositeProbe",
     "DeadlineExceeded",
@@ -99,18 +113,26 @@ __all__ = [
     "Sizer",
     "TorchCudaProbe",
     "WarmUp",
+    "WarmUpPlanner",
+    "WarmUpReport",
+    "calibration_lengths",
     "cheapest_partition",
     "cheapest_window",
     "fit_envelope",
     "fit_time_model",
     "largest_batch",
     "limit_address_space",
+    "limit_kills",
     "measured_forward",
     "plan_batch",
     "powers_of_two",
+    "prior_for",
     "prior_peak_model",
     "probes_for_device",
+    "refusal_room",
+    "refused_alone",
     "release_host_memory",
+    "scouts",
     "split",
     "tune_host_allocator",
 ]

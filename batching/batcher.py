@@ -7,7 +7,6 @@ same model, sized by that model's sizer against the memory read just before the 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -19,8 +18,8 @@ from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
 from .measure import Forward, measured_forward
 from .metrics import BatchingMetrics, MemoryMetrics, ModelBatchingMetrics, ModelMemoryMetrics
 from .model_thread import ModelThread
-from .planner import BatchBudget, BatchPlan, plan_batch, split
-from .probes import MemoryProbe, MemoryReading, ProbeError
+from .planner import BatchBudget, BatchPlan, plan_batch, refused_alone, split
+from .probes import MemoryProbe, MemoryReading
 from .queue import Pending, RequestQueue
 from .sizer import BatchOutcome, Sizer
 from .timing import BatchTimeModel
@@ -168,6 +167,12 @@ class Batcher:
             self._update_depth()
             return 0
         priorities = [self.queue.effective_priority(p, now) for p in waiting]
+        # The planner's anchor, the first waiting item, runs whatever the budget says:
+        # unless it cannot fit alone where the limit kills.
+        predicted = refused_alone(waiting[0].cost, budget)
+        if predicted is not None:
+            self._refuse(lane, waiting[0], predicted, budget, reading)
+            return 0
         time_model = lane.time_model
         plan = plan_batch(
             [p.cost for p in waiting],
@@ -184,6 +189,30 @@ class Batcher:
         await self._run(lane, batch)
         self._in_flight = ()
         return len(batch)
+
+    def _refuse(
+        self, lane: _LaneState, pending: Pending, predicted: float, budget: BatchBudget,
+        reading: MemoryReading | None,
+    ) -> None:  # fmt: skip
+        """Fail one input that cannot fit alone under a limit that kills; the rest of the
+        queue is planned from the next step on, as if it had never been there."""
+        self.queue.remove([pending])
+        self._update_depth()
+        room = budget.max_alone_bytes or 0.0
+        where = reading.enforced.describe() if reading and reading.enforced else "a limit"
+        log.warning(
+            "refused an input of %d tokens: predicted peak %.1f MiB alone, %.1f MiB available "
+            "under %s", pending.cost, predicted / 2**20, room / 2**20, where,
+        )  # fmt: skip
+        if lane.memory_metrics is not None:
+            lane.memory_metrics.refused.inc()
+        message = (
+            f"input {pending.index} ({pending.cost} tokens) cannot fit in memory even alone: "
+            f"its predicted peak of {predicted:.0f} bytes ({predicted / 2**20:.1f} MiB) exceeds "
+            f"the {room:.0f} bytes ({room / 2**20:.1f} MiB) available under {where}, past "
+            "which the process is killed rather than failing an allocation; it was not run"
+        )
+        _fail(pending, OutOfMemory(message, int(predicted)))
 
     def _next_lane(self) -> _LaneState | None:
         """The lane of the oldest waiting item by effective priority, then arrival: no model
@@ -278,11 +307,7 @@ class Batcher:
         outputs, peak = measured_forward(
             forward, items, probe=probe, oom_errors=self._oom_errors, settle=settle
         )
-        reading = None
-        if probe is not None and not settle:
-            # A failed read costs the next batch a read on the loop, never these outputs.
-            with contextlib.suppress(ProbeError):
-                reading = probe.read()
+        reading = probe.read() if probe is not None and not settle else None
         return outputs, peak, reading
 
     async def _fill(self, lane: _LaneState, max_items: int, max_tokens: int) -> None:

@@ -154,7 +154,18 @@ def _merge(a: MemoryReading, b: MemoryReading) -> MemoryReading:
                      "allocated_bytes", "reserved_bytes", "resident_bytes",
                      "resident_peak_bytes")
     }  # fmt: skip
-    return replace(a, free_bytes=free, limit=limit, sources=a.sources + b.sources, **values)
+    enforced, enforced_free = a.enforced, a.enforced_free_bytes
+    if b.enforced_free_bytes is not None and (
+        enforced_free is None or b.enforced_free_bytes < enforced_free
+    ):
+        enforced, enforced_free = b.enforced, b.enforced_free_bytes
+    shared = a.shared_device
+    if b.shared_device is not None:
+        shared = bool(a.shared_device) or b.shared_device
+    return replace(
+        a, free_bytes=free, limit=limit, sources=a.sources + b.sources, enforced=enforced,
+        enforced_free_bytes=enforced_free, shared_device=shared, **values,
+    )  # fmt: skip
 
 
 def probes_for_device(device: str, *, memory_limit_bytes: int | None = None) -> CompositeProbe:

@@ -176,6 +176,8 @@ class ModelMemoryMetrics:
     peak_ratio: Histogram
     oom_split: Counter
     oom_failed: Counter
+    refused: Counter
+    proven_length: Gauge
 
 
 class MemoryMetrics:
@@ -231,6 +233,21 @@ class MemoryMetrics:
             "Forward passes that ran out of memory, by outcome: split (retried as two "
             "halves) or failed (a single input that does not fit; its request got 507).",
             ["model", "outcome"],
+            registry=registry,
+        )
+        self.refused = Counter(
+            "batchfit_oom_refusals",
+            "Inputs answered 507 out_of_memory before they ran: alone, their predicted peak "
+            "exceeded the room under a limit that kills rather than failing an allocation "
+            "(a cgroup, the host's memory, a GPU shared with other processes).",
+            labelnames=MODEL,
+            registry=registry,
+        )
+        self.proven_length = Gauge(
+            "batchfit_warmup_proven_tokens",
+            "The longest input length (tokens) a warm-up batch ran at; beyond it the fitted "
+            "memory model predicts.",
+            labelnames=MODEL,
             registry=registry,
         )
         self.device_used = Gauge(
@@ -327,4 +344,6 @@ class MemoryMetrics:
             peak_ratio=self.peak_ratio.labels(model),
             oom_split=self.oom_events.labels(model, "split"),
             oom_failed=self.oom_events.labels(model, "failed"),
+            refused=self.refused.labels(model),
+            proven_length=self.proven_length.labels(model),
         )

@@ -33,6 +33,7 @@ class ModelThread:
         self._closed = False
         self.num_calls = 0
         """Calls handed to the thread so far (each is one hop there and one back)."""
+        self._unfinished = 0  # calls queued or running; read by ``busy``
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the thread; its result or exception comes back here. If the
@@ -47,8 +48,20 @@ class ModelThread:
                 self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
                 self._thread.start()
             self.num_calls += 1
+            self._unfinished += 1
             self._jobs.put((fn, args, loop, future))
         return await future
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call is running or waiting (one whose caller was cancelled included: a
+        forward pass in progress cannot be interrupted)."""
+        with self._lock:
+            return self._unfinished > 0
+
+    def _done(self) -> None:
+        with self._lock:
+            self._unfinished -= 1
 
     def close(self, *, wait: bool = True) -> None:
         """Cancel the calls still queued; with ``wait``, wait for the running one to end."""
@@ -61,6 +74,7 @@ class ModelThread:
                 except queue.Empty:
                     break
                 if job is not None:
+                    self._unfinished -= 1
                     _, _, loop, future = job
                     with contextlib.suppress(RuntimeError):  # its loop is already closed
                         loop.call_soon_threadsafe(future.cancel)
@@ -77,6 +91,7 @@ class ModelThread:
             # NOTE: read from another thread, but only ever set once (on the loop); a call
             # cancelled just after this check runs anyway and its outcome is dropped.
             if future.cancelled():
+                self._done()
                 continue
             result: Any = None
             error: BaseException | None = None
@@ -84,6 +99,7 @@ class ModelThread:
                 result = fn(*args)
             except BaseException as exc:  # every outcome goes back to the caller
                 error = exc
+            self._done()
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(_settle, future, result, error)
             del job, fn, args, result, error  # no reference outlives the call

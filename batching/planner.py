@@ -20,6 +20,10 @@ class BatchBudget:
     max_tokens: int
     max_bytes: float | None = None
     predict_bytes: PeakPredictor | None = None
+    max_alone_bytes: float | None = None
+    """Where going past the memory limit kills: the room one input alone must fit in, or
+    it is refused before it runs (``refused_alone``). None: an input too large for the
+    budget runs alone anyway and the OOM path answers it."""
 
     def __post_init__(self) -> None:
         if self.max_items < 1:
@@ -170,6 +174,16 @@ def cheapest_window(
         run for run in cheapest_partition(costs, budget, predict_time)
         if run[0] <= costs[0] <= run[1]
     )  # fmt: skip
+
+
+def refused_alone(cost: int, budget: BatchBudget) -> float | None:
+    """The predicted peak of one input of ``cost`` tokens run alone, where it exceeds the
+    budget's ``max_alone_bytes`` (the planner would put it in a batch of its own, and it
+    must not run); None where it may run."""
+    if budget.max_alone_bytes is None or budget.predict_bytes is None:
+        return None
+    predicted = budget.predict_bytes(1, cost)
+    return predicted if predicted > budget.max_alone_bytes else None
 
 
 def split(items: Sequence[object]) -> tuple[Sequence[object], Sequence[object]]:

@@ -56,6 +56,43 @@ class MemoryReading:
     """The probes read now."""
     failing: tuple[str, ...] = field(default=())
     """Probes in error: their last good reading (if any) stands in for them."""
+    enforced: MemoryLimit | None = None
+    """The enforced limit memory reaches first: the smallest room under a cgroup, the host's
+    memory, the address-space limit or the device. ``--memory-limit`` is not one: nothing
+    enforces it at its value (on CPU the address-space cap stands 256 MiB above it)."""
+    enforced_free_bytes: int | None = None
+    shared_device: bool | None = None
+    """A GPU other processes also use (NVML lists them); None where unknown."""
+
+
+def limit_kills(limit: MemoryLimit, *, shared_device: bool | None = None) -> bool:
+    """Whether going past ``limit`` kills instead of failing an allocation: then a lone
+    input predicted above the room under it is refused before it runs (docs/memory.md).
+
+    - ``cgroup``: the kernel's OOM killer, no error to catch.
+    - ``host`` (the host's memory, where no lower limit applies): the OOM killer too, or a
+      swapping host; so ``host`` counts as killing.
+    - ``device`` shared with other processes: an allocation past the room can fail theirs,
+      or ours part way, as the room shrinks under us; a device of our own fails our
+      allocation with a CUDA OOM error, which the OOM path handles.
+    - ``rlimit`` (the address-space limit) fails an allocation.
+    - ``flag`` (``--memory-limit``) is never the enforced limit: it caps the budget, and
+      going past its value fails no allocation and kills nothing (the address-space cap,
+      or the device, then decides).
+    """
+    if limit.source == "device":
+        return bool(shared_device)
+    return limit.source in ("cgroup", "host")
+
+
+def refusal_room(reading: MemoryReading | None) -> int | None:
+    """The room a lone input must fit in to run, where the enforced limit kills; None where
+    an input too large is tried and the OOM path answers it."""
+    if reading is None or reading.enforced is None or reading.enforced_free_bytes is None:
+        return None
+    if not limit_kills(reading.enforced, shared_device=reading.shared_device):
+        return None
+    return reading.enforced_free_bytes
 
 
 class MemoryProbe(Protocol):
@@ -139,15 +176,17 @@ class HostProbe:
             room = max(0, soft - (kib_field(status, b"VmSize") or 0))
             if room < free:
                 free, binding = room, ("rlimit", soft, "RLIMIT_AS")
+        if binding is None:
+            binding = ("host", kib_field(meminfo, b"MemTotal") or available + rss, "memory")
+        enforced, enforced_free = MemoryLimit(*binding), free
         if self.memory_limit_bytes is not None:
             room = max(0, self.memory_limit_bytes - rss)
             if room < free:
                 free, binding = room, ("flag", self.memory_limit_bytes, "--memory-limit")
-        if binding is None:
-            binding = ("host", kib_field(meminfo, b"MemTotal") or available + rss, "memory")
         return MemoryReading(
             free_bytes=free, used_bytes=rss, resident_bytes=rss, resident_peak_bytes=peak,
-            limit=MemoryLimit(*binding), sources=(self.name,),
+            limit=MemoryLimit(*binding), sources=(self.name,), enforced=enforced,
+            enforced_free_bytes=enforced_free,
         )  # fmt: skip
 
     def settle(self) -> None:
@@ -197,8 +236,8 @@ class TorchCudaProbe:
         except RuntimeError as exc:
             raise ProbeError(f"torch.cuda: {exc}") from exc
         # Cached but unused blocks are free for us, though not for other processes.
-        room = free + (reserved - allocated)
-        limit = MemoryLimit("device", total, self._device)
+        room = device_room = free + (reserved - allocated)
+        limit = device = MemoryLimit("device", total, self._device)
         if self.memory_limit_bytes is not None and self.memory_limit_bytes - allocated < room:
             room = max(0, self.memory_limit_bytes - allocated)
             limit = MemoryLimit("flag", self.memory_limit_bytes, "--memory-limit")
@@ -206,6 +245,7 @@ class TorchCudaProbe:
             free_bytes=room, used_bytes=reserved, allocated_bytes=allocated,
             reserved_bytes=reserved, device_total_bytes=total,
             device_used_bytes=total - free, limit=limit, sources=(self.name,),
+            enforced=device, enforced_free_bytes=device_room,
         )  # fmt: skip
 
     def start_batch(self) -> int | None:
@@ -245,7 +285,17 @@ class NvmlProbe:
             free_bytes=int(info.free), device_used_bytes=int(info.used),
             device_total_bytes=int(info.total),
             limit=MemoryLimit("device", int(info.total), "NVML"), sources=(self.name,),
+            shared_device=self._shared(),
         )  # fmt: skip
+
+    def _shared(self) -> bool | None:
+        """Whether processes besides this one hold memory on the device. Counted, not
+        matched by pid: inside a container NVML reports the host's pids."""
+        try:
+            processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except Exception:  # NVMLError's many subclasses; unknown is not shared
+            return None
+        return len(processes) > 1
 
     def start_batch(self) -> int | None:
         return None

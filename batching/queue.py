@@ -146,6 +146,19 @@ class RequestQueue:
         self.remove(pendings)
         return before - len(self._items)
 
+    def raise_priority(self, pending: Pending, priority: int) -> None:
+        """Give ``pending`` (queued or not) a higher ``priority``; a queued entry moves to
+        its new place, keeping its arrival (so its place among equals and its aging)."""
+        if priority <= pending.priority:
+            return
+        queued = any(p is pending for p in self._items)
+        if queued:
+            self.remove((pending,))
+        pending.priority = priority
+        if queued:
+            bisect.insort(self._items, pending, key=Pending.sort_key)
+            self.changed.set()
+
     def remove(self, pendings: Iterable[Pending]) -> None:
         taken = {id(p) for p in pendings}
         if taken:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .loadgen import CLIENTS
+from .repeated import RepeatedOptions, run_repeated
 from .report import QUICK_NOTE, write_report
 from .runner import OVERHEAD_LOADS, SERVER_CONFIGS, BenchOptions, quick_options, run_bench
 from .targets import targets
@@ -62,6 +63,11 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
              "no-batching server's (default: aiohttp,httpx).")
     add("--no-baselines", action="store_false", dest="baselines", default=None,
         help="Skip the bare stack (beside the no-op model) and the no-batching server.")
+    add("--repeated-traffic", action="store_true",
+        help="Instead: repeated traffic (30%% of inputs from a hot set of 32 texts) against "
+             "one replica with the output cache off and one with it on; writes repeated.md. "
+             "Uses --requests (default 400; --quick: 60), the first --concurrency level "
+             "(default 16; --quick: 8), --seed and --server-flag.")
     add("--seed", type=int, default=None, help="Workload seed (default: 0).")
     add("--server-flag", action="append", default=[], dest="server_flags", metavar="FLAG",
         help="Extra flag for every server (repeatable), e.g. --server-flag=--max-wait-ms=0.")
@@ -90,9 +96,25 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(**given)  # type: ignore[arg-type]
 
 
+def repeated_options(args: argparse.Namespace) -> RepeatedOptions:
+    return RepeatedOptions(
+        requests=args.requests or (60 if args.quick else 400),
+        concurrency=args.concurrency[0] if args.concurrency else (8 if args.quick else 16),
+        seed=args.seed or 0,
+        server_flags=tuple(args.server_flags),
+    )
+
+
 def bench(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s bench: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.repeated_traffic:
+        command = "batchfit " + shlex.join(
+            sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"]
+        )
+        run_repeated(repeated_options(args), args.out, command)
+        print((args.out / "repeated.md").read_text())
+        return 0
     try:
         options = options_from_args(args)
     except ValueError as exc:

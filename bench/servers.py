@@ -90,8 +90,16 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+NO_CACHE = ("--cache-bytes", "0", "--no-deduplicate")
+"""The benchmarks send the same requests at every load level (and wrk one body over and over):
+they measure computing inputs, so their replicas compute every input, unless the flags set
+--cache-bytes themselves (``bench/repeated.py`` measures the cache)."""
+
+
 def launch_replica(flags: list[str], *, log_dir: Path | None = None) -> Replica:
     """Start a replica with ``flags`` on a free loopback port; it is not ready yet."""
+    if not any(flag.startswith("--cache-bytes") for flag in flags):
+        flags = [*NO_CACHE, *flags]
     return _launch(["-m", "server", "serve", "--log-level", "warning", *flags], log_dir)
 
 

@@ -25,13 +25,14 @@ from batching import (
     MemoryProbe,
     MemoryReading,
     WarmUp,
+    WarmUpReport,
     measured_forward,
-    prior_peak_model,
+    prior_for,
     probes_for_device,
+    refused_alone,
     split,
     tune_host_allocator,
 )
-from batching.warmup import kills
 from models import Item, Model, ModelOutOfMemory
 
 from .plan import plan_window, time_prior
@@ -126,15 +127,8 @@ def build_runner(
 
 
 def make_sizer(model: Model, *, max_items: int, max_tokens: int, headroom: float) -> AdaptiveSizer:
-    shape = model.info.shape
-    prior = prior_peak_model(
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_heads=shape.num_heads,
-        element_bytes=shape.element_bytes,
-    )
     config = AdaptiveConfig(max_items=max_items, max_tokens=max_tokens, headroom_fraction=headroom)
-    return AdaptiveSizer(prior, config)
+    return AdaptiveSizer(prior_for(model.info.shape), config)
 
 
 class Runner:
@@ -173,6 +167,10 @@ class Runner:
         reserved = self.reserve.bytes
         if reserved and reading.free_bytes is not None:
             reading = dataclasses.replace(reading, free_bytes=max(0, reading.free_bytes - reserved))
+        if reserved and reading.enforced_free_bytes is not None:
+            reading = dataclasses.replace(
+                reading, enforced_free_bytes=max(0, reading.enforced_free_bytes - reserved)
+            )
         return reading
 
     def _note_peak(self, reading: MemoryReading, batch_peak: int | None = None) -> None:
@@ -185,30 +183,37 @@ class Runner:
             return
         self.stats.peak_bytes = max(self.stats.peak_bytes, peak)
 
-    def warm_up(self) -> None:
-        """The server's warm-up: the largest batches the budget allows, short and longest."""
+    def warm_up(self) -> WarmUpReport:
+        """The server's warm-up (``WarmUp``): the largest batches the budget allows, on a
+        ladder of lengths within the time bound; returns what it proved."""
         on_host = self.device_type == "cpu"
         if on_host:
             tune_host_allocator(measuring=True)
+        started = time.perf_counter()
         try:
             warm_up = WarmUp(
                 self.sizer,
                 max_input_tokens=self.model.info.max_input_tokens,
                 max_items=self.sizer.config.max_items,
             )
-            while (batch := warm_up.next_batch(self.read())) is not None:
-                items = self.model.synthetic_items(*batch)
-                started = time.perf_counter()
+            while (
+                step := warm_up.next_batch(self.read(), elapsed_s=time.perf_counter() - started)
+            ) is not None:
+                items = self.model.synthetic_items(step.num_items, step.length)
+                batch_started = time.perf_counter()
                 try:
                     _, peak = self._forward(items, settle=True)
                 except ModelOutOfMemory:
                     warm_up.out_of_memory()
                     continue
-                warm_up.ran(BatchOutcome(*batch, time.perf_counter() - started, peak))
-            warm_up.finish()
+                elapsed = time.perf_counter() - batch_started
+                warm_up.ran(BatchOutcome(step.num_items, step.length, elapsed, peak))
+            report = warm_up.finish(time.perf_counter() - started)
         finally:
             if on_host:
                 tune_host_allocator(measuring=False)
+        log.info("warm-up: %s in %.1fs", report.describe(), report.elapsed_s)
+        return report
 
     def _forward(self, items: Sequence[Item], *, settle: bool = False) -> tuple[list[Any], Any]:
         return measured_forward(
@@ -247,7 +252,7 @@ class Runner:
                 for half in split(batch):
                     self._run(items, list(half), outputs, on_batch)
                 return
-            if kills(reading):
+            if refused_alone(padded_len, budget) is not None:
                 # Past a cgroup's limit the kernel kills the job, and the window with it.
                 self._fail(batch, outputs, f"{padded_len} tokens: predicted to exceed memory")
                 return

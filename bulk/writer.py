@@ -12,14 +12,18 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-ID_TYPES = {"int64": pa.int64(), "string": pa.string()}
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+# NOTE: pyarrow is imported where a part is built, not here: ``batchfit serve`` imports the
+# bulk commands' parsers, and pyarrow's libraries added 62 MB of resident pages to every
+# replica on a fresh install, enough that one under a 640 MiB --memory-limit refused to start.
+ID_TYPES = ("int64", "string")
 
 
 def part_name(index: int) -> str:
@@ -27,7 +31,11 @@ def part_name(index: int) -> str:
 
 
 def output_schema(task: str, id_type: str, dimensions: int | None) -> pa.Schema:
-    fields = [pa.field("id", ID_TYPES[id_type], nullable=False)]
+    import pyarrow as pa
+
+    if id_type not in ID_TYPES:
+        raise KeyError(id_type)
+    fields = [pa.field("id", pa.int64() if id_type == "int64" else pa.string(), nullable=False)]
     if task == "embed":
         if dimensions is None:
             raise ValueError("an embedding part needs its dimension")
@@ -44,6 +52,8 @@ def output_schema(task: str, id_type: str, dimensions: int | None) -> pa.Schema:
 
 def output_table(schema: pa.Schema, ids: Sequence[Any], outputs: Sequence[Any]) -> pa.Table:
     """The part's table: one row per id, its output from the model (in the same order)."""
+    import pyarrow as pa
+
     columns: list[pa.Array] = [pa.array(ids, type=schema.field("id").type)]
     names = schema.names
     if "embedding" in names:
@@ -73,6 +83,9 @@ class WrittenFile:
 
 
 def parquet_bytes(table: pa.Table) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     sink = pa.BufferOutputStream()
     # Snappy: half zstd's CPU time (taken from the forward passes on a CPU host) for 11% more
     # bytes; embeddings hardly compress either way.

@@ -17,7 +17,7 @@ from .postprocess import top_labels, truncate_dimensions
 from .profiling import BatchProfiler, ProfilerBusy, ProfileStatus
 from .prompts import UnknownPrompt, resolve_prompt
 from .quantization import quantize_int8
-from .text import TextModel
+from .text import TextModel, Tokens
 
 __all__ = [
     "BUNDLED_MODEL",
@@ -36,6 +36,7 @@ __all__ = [
     "ProfileStatus",
     "ProfilerBusy",
     "TextModel",
+    "Tokens",
     "UnknownPrompt",
     "available_cpus",
     "describe",

@@ -27,6 +27,21 @@ class ArchitectureShape:
     parameter_bytes: int
     architecture: Literal["encoder", "decoder"] = "encoder"
     """A decoder (Qwen, Llama, Mistral, Gemma) attends causally."""
+    num_kv_heads: int | None = None
+    """Key/value heads under grouped-query attention (``num_key_value_heads``); None: as
+    many as ``num_heads``."""
+    head_dim: int | None = None
+    """Width of one attention head; None: ``hidden_size // num_heads``."""
+    attention: str = "eager"
+    """The attention implementation in use (``config._attn_implementation``): ``eager``
+    holds every head's ``L x L`` scores; ``sdpa`` and the flash kernels do not."""
+    sliding_window: int | None = None
+    """Tokens a sliding-window layer attends to, where some layers have one (Gemma, Mistral,
+    Qwen2, ModernBERT's local layers); such layers build an ``L x L`` mask even for one
+    input."""
+    gated_mlp: bool = False
+    """The feed-forward multiplies a gate by an up projection (SwiGLU/GeGLU: Llama, Qwen,
+    Gemma, ModernBERT), holding three ``intermediate_size`` activations instead of two."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +65,8 @@ class ModelInfo:
     default_prompt_name: str | None = None
     activation: str | None = None
     """A classifier's or cross-encoder's score function: softmax, sigmoid, identity..."""
+    truncation_side: str = "right"
+    """The end an over-long input is cut from by default (the tokenizer's own side)."""
 
 
 @runtime_checkable
@@ -60,7 +77,8 @@ class Model(Protocol):
     only and returns one output per item, in order. ``forward`` raises ``ModelOutOfMemory``
     for allocation failures and nothing torch-specific. A ``prepare`` may also take a
     keyword ``prompt`` (text to put before each input); one that does not is given the
-    inputs with the prompt already in front.
+    inputs with the prompt already in front. One that takes ``truncation_direction``
+    (``right`` or ``left``) cuts over-long inputs from that end.
 
     A model may also have ``preparer()``: an object with its ``prepare`` (and
     ``prepare_pairs``) and ``info`` but no weights, which pickles; API processes in front

@@ -166,16 +166,51 @@ def architecture_shape(
     config: PretrainedConfig, module: torch.nn.Module, description: ModelDescription
 ) -> ArchitectureShape:
     hidden = int(config.hidden_size)
+    heads = int(getattr(config, "num_attention_heads", 1))
     parameter_bytes = module_bytes(module)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    loaded = getattr(module, "config", config)
     return ArchitectureShape(
         hidden_size=hidden,
         num_layers=int(getattr(config, "num_hidden_layers", 1)),
-        num_heads=int(getattr(config, "num_attention_heads", 1)),
+        num_heads=heads,
         intermediate_size=int(getattr(config, "intermediate_size", 4 * hidden)),
         element_bytes=next(module.parameters()).element_size(),
         parameter_bytes=parameter_bytes,
         architecture=description.architecture,
+        num_kv_heads=int(kv_heads) if kv_heads else None,
+        head_dim=int(head_dim) if head_dim else hidden // max(1, heads),
+        attention=str(getattr(loaded, "_attn_implementation", None) or "eager"),
+        sliding_window=sliding_window(config),
+        gated_mlp=_gated_mlp(config, module),
     )
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The window of the config's sliding-window layers, if it has any: ``layer_types``
+    naming ``sliding_attention`` (Gemma 3, ModernBERT, Qwen), else a ``sliding_window`` not
+    turned off by ``use_sliding_window`` (Mistral, Qwen2); ModernBERT's ``local_attention``."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        sliding = any("sliding" in str(kind) for kind in layer_types)
+    else:
+        sliding = getattr(config, "use_sliding_window", True) is not False
+    if not sliding:
+        return None
+    if not window and getattr(config, "local_attention", None):
+        window = config.local_attention
+    return int(window) if window else None
+
+
+def _gated_mlp(config: PretrainedConfig, module: torch.nn.Module) -> bool:
+    """SwiGLU/GeGLU feed-forwards: a ``gate_proj`` (Llama, Qwen, Mistral, Gemma) or
+    ModernBERT's ``Wi``, which projects to gate and input at once."""
+    if getattr(config, "model_type", None) == "modernbert":
+        return True
+    return any(name.rsplit(".", 1)[-1] in ("gate_proj", "gate_up_proj")
+               for name, _ in module.named_modules())  # fmt: skip
 
 
 def model_max_tokens(

@@ -18,6 +18,8 @@ from .description import ModelDescription, activation_name
 from .errors import InputTooLong, translate_error
 from .postprocess import Postprocess
 
+TRUNCATION_SIDES = ("right", "left")
+
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
@@ -32,10 +34,10 @@ class Tokens:
 class TextModel:
     """A transformers model behind the model contract.
 
-    Two tokenizer copies are configured once at load (one truncating, one not) and never
-    mutated afterwards, so they can encode from any thread without the fast tokenizer's
-    "Already borrowed" errors. Batches are padded on the right; the postprocess reads each
-    row's real tokens from the attention mask.
+    Three tokenizer copies are configured once at load (one truncating on each side, one
+    not) and never mutated afterwards, so they can encode from any thread without the fast
+    tokenizer's "Already borrowed" errors. Batches are padded on the right; the postprocess
+    reads each row's real tokens from the attention mask.
     """
 
     def __init__(
@@ -82,9 +84,15 @@ class TextModel:
         self._full = Tokenizer.from_str(source)
         self._full.no_truncation()
         self._full.no_padding()
-        self._truncating = Tokenizer.from_str(source)
-        self._truncating.enable_truncation(max_length=max_input_tokens, direction=truncation_side)
-        self._truncating.no_padding()
+        self._truncating: dict[str, Tokenizer] = {}
+        for side in TRUNCATION_SIDES:
+            truncating = Tokenizer.from_str(source)
+            truncating.enable_truncation(max_length=max_input_tokens, direction=side)
+            truncating.no_padding()
+            self._truncating[side] = truncating
+        if truncation_side not in TRUNCATION_SIDES:
+            truncation_side = "right"
+        self._truncation_side = truncation_side
         # Any non-special id works for warm-up: 1000 where the vocabulary has it.
         vocab_size = self._full.get_vocab_size()
         self._filler_id = next(
@@ -107,6 +115,7 @@ class TextModel:
             prompts=dict(description.prompts) if description else {},
             default_prompt_name=description.default_prompt_name if description else None,
             activation=activation_name(description.head_activation) if description else None,
+            truncation_side=truncation_side,
         )
 
     def preparer(self) -> TextModel:
@@ -119,28 +128,40 @@ class TextModel:
         return bare
 
     def prepare(
-        self, inputs: Sequence[str], *, truncate: bool, prompt: str | None = None
-    ) -> list[Item]:
+        self, inputs: Sequence[str], *, truncate: bool, prompt: str | None = None,
+        truncation_direction: str | None = None,
+    ) -> list[Item]:  # fmt: skip
         """One item per input; a prompt goes in front of each input's text, as
-        sentence-transformers puts it, and its tokens count in the item's cost."""
+        sentence-transformers puts it, and its tokens count in the item's cost. Truncation
+        cuts the prompted text, as sentence-transformers does: from the end
+        ``truncation_direction`` names (default: the tokenizer's side), so ``left`` cuts a
+        long input's prompt before its end."""
         texts = [prompt + text for text in inputs] if prompt else list(inputs)
-        return self._items(texts, truncate=truncate, pairs=False, prompt=prompt)
+        return self._items(
+            texts, truncate=truncate, pairs=False, prompt=prompt, side=truncation_direction
+        )
 
     def prepare_pairs(
         self, query: str, documents: Sequence[str], *, truncate: bool = True,
-        prompt: str | None = None,
+        prompt: str | None = None, truncation_direction: str | None = None,
     ) -> list[Item]:  # fmt: skip
         """One item per (query, document) pair, encoded as the tokenizer encodes a pair (with
-        its separators and segment ids); truncation shortens the longer side first. A prompt
-        goes in front of the query."""
+        its separators and segment ids); truncation shortens the longer side first, from the
+        end ``truncation_direction`` names. A prompt goes in front of the query."""
         query = prompt + query if prompt else query
         pairs = [(query, document) for document in documents]
-        return self._items(pairs, truncate=truncate, pairs=True, prompt=None)
+        return self._items(
+            pairs, truncate=truncate, pairs=True, prompt=None, side=truncation_direction
+        )
 
     def _items(
-        self, inputs: list[Any], *, truncate: bool, pairs: bool, prompt: str | None
-    ) -> list[Item]:
-        tokenizer = self._truncating if truncate else self._full
+        self, inputs: list[Any], *, truncate: bool, pairs: bool, prompt: str | None,
+        side: str | None = None,
+    ) -> list[Item]:  # fmt: skip
+        side = side or self._truncation_side
+        if side not in TRUNCATION_SIDES:
+            raise ValueError(f"truncation_direction must be right or left, got {side!r}")
+        tokenizer = self._truncating[side] if truncate else self._full
         limit = self.info.max_input_tokens
         prompt_length = self._prompt_length(prompt) if prompt and self._exclude_prompt else 0
         items = []
@@ -157,16 +178,23 @@ class TextModel:
         less a trailing special token (an end-of-sequence or separator)."""
         found = self._prompt_lengths.get(prompt)
         if found is None:
-            ids = self._truncating.encode(prompt).ids
+            ids = self._truncating[self._truncation_side].encode(prompt).ids
             found = len(ids) - 1 if ids and ids[-1] in self._special_ids else len(ids)
             if len(self._prompt_lengths) < 256:  # literal prompts come from clients
                 self._prompt_lengths[prompt] = found
         return found
 
     def synthetic_items(self, num_items: int, length: int) -> list[Item]:
+        """``num_items`` inputs padded to ``length``. NOTE: in a batch of several the last
+        is one token shorter, as in a served batch: a batch without padding needs no
+        attention mask under sdpa, and would measure a peak smaller than served batches
+        of its shape reach (an ``n x L x L`` mask; half the peak at 2 x 4096 tokens)."""
         length = max(2, min(length, self.info.max_input_tokens))
         tokens = Tokens([self._filler_id] * length)
-        return [Item(data=tokens, cost=length) for _ in range(num_items)]
+        items = [Item(data=tokens, cost=length) for _ in range(num_items)]
+        if num_items > 1:
+            items[-1] = Item(data=Tokens([self._filler_id] * (length - 1)), cost=length - 1)
+        return items
 
     def collate(
         self, items: Sequence[Item], *, pin_memory: bool = False

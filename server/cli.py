@@ -26,6 +26,8 @@ from .settings import LauncherSettings, Settings
 from .supervise.launcher import REPLICA_ADDRESS_FIELDS, up
 from .supervise.nginx import UVICORN_KEEP_ALIVE_S
 
+log = logging.getLogger("batchfit")
+
 
 def add_settings_flags(
     parser: argparse.ArgumentParser,
@@ -141,7 +143,14 @@ def serve(settings: Settings) -> int:
     config.app = app
     server.run()
     failed = runtime.startup_error is not None or runtime.batcher_error is not None
-    return 1 if failed else 0
+    code = 1 if failed else 0
+    if runtime.model_thread.busy:
+        # Stopped while loading or warming up: the load or forward pass in progress cannot
+        # be interrupted, and the interpreter would wait for its thread at exit.
+        log.warning("exiting without waiting for the model thread to finish")
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,6 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(settings)
     if args.command == "plan":
         configure_logging("warning")
-        print(memory_plan(settings))
+        try:
+            print(memory_plan(settings))
+        except KeyboardInterrupt:
+            # As serve does: a load or forward pass in progress is not waited for.
+            logging.shutdown()
+            os._exit(130)
         return 0
     return 2

@@ -124,12 +124,15 @@ async def infer_for_request(
     query: str | None = None,
     prompt_name: str | None = None,
     prompt: str | None = None,
+    truncation_direction: str | None = None,
+    dimensions: int | None = None,
 ) -> tuple[list[Any], int]:
     """Queue the inputs for ``model`` (same queue, batcher and model thread as ``/v1/infer``)
     and wait, dropping them if the client disconnects. Returns the outputs and the token
     count (prompts included). With ``query``, each input is a document scored against it
     (reranking). ``prompt_name`` or a literal ``prompt`` (else the model's default prompt)
-    goes in front of each input, or of the query."""
+    goes in front of each input, or of the query. ``dimensions`` (checked by the caller)
+    cuts each embedding, in the runtime, where the cut answer is cached."""
     runtime = runtime_of(request)
     config = runtime.config
     timeout_s = min(timeout_s or config.default_timeout_s, config.max_timeout_s)
@@ -147,7 +150,8 @@ async def infer_for_request(
         outputs, num_tokens = await runtime.infer(
             inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
             priority=priority, model=name, query=query, trace=trace, prompt=resolved,
-            client=client_watch(request.scope, request.receive),
+            truncation_direction=truncation_direction,
+            client=client_watch(request.scope, request.receive), dimensions=dimensions,
         )  # fmt: skip
     except ClientDisconnected:
         state["error_type"] = "client_disconnected"

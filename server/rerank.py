@@ -8,7 +8,7 @@ pair is one queue item whose cost is the pair's token count after truncation.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WithJsonSchema
@@ -41,6 +41,11 @@ class RerankRequest(BaseModel):
     )
     return_documents: bool = Field(
         False, description="Include each result's document text as document.text."
+    )
+    truncation_direction: Literal["right", "left"] | None = Field(
+        None,
+        description="Which end truncation cuts a pair from (the longer side first): right "
+        "keeps the start, left the end. Default: the model's own.",
     )
     model: str | None = Field(
         None,
@@ -93,8 +98,9 @@ async def handle_rerank(request: Request) -> ASGIApp:
         )  # fmt: skip
     request_id = request_id_of(request)
     scores, num_tokens = await infer_for_request(
-        request, body.documents, request_id=request_id, model=slot.name, query=body.query
-    )
+        request, body.documents, request_id=request_id, model=slot.name, query=body.query,
+        truncation_direction=body.truncation_direction,
+    )  # fmt: skip
     return JsonAnswer(encode_rerank_answer(body, slot.name, scores, top_n, num_tokens, request_id))
 
 

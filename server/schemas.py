@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
@@ -25,6 +25,13 @@ class InferRequest(BaseModel):
         True,
         description="Cut inputs to the model's maximum length; when false an over-long input "
         "gets 413.",
+    )
+    truncation_direction: Literal["right", "left"] | None = Field(
+        None,
+        description="Which end truncation cuts an over-long input from: right keeps the "
+        "start, left keeps the end (for models where the end matters, such as last-token "
+        "pooled decoders). It cuts the text with its prompt in front, as sentence-transformers "
+        "does. Default: the model's own (GET /v1/models: truncation_direction).",
     )
     timeout_s: float | None = Field(
         None,
@@ -105,6 +112,9 @@ class ModelCard(BaseModel):
     )
     activation: str | None = Field(
         description="Classifiers and rerankers: the score function (softmax, sigmoid, identity...)."
+    )
+    truncation_direction: str = Field(
+        "right", description="The end over-long inputs are cut from by default: right or left."
     )
 
 

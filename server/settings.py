@@ -162,6 +162,14 @@ class Settings(BaseSettings):
         "and on CPU also sets an address-space limit once the model is loaded, so a runaway "
         "batch gets a real allocation failure instead of swapping the host.",
     )
+    warmup_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Time bound of the warm-up's calibration: it proves the longest input "
+        "length it can within this many seconds (and the memory budget), and the fitted "
+        "memory model predicts beyond it. Default: 20 times its first full batch, at least "
+        "10 s.",
+    )
     memory_release_idle_s: float = Field(
         10.0,
         ge=0,
@@ -169,6 +177,18 @@ class Settings(BaseSettings):
         "free memory the C allocator holds back to the OS (glibc malloc_trim), so a quiet "
         "replica's resident memory is what it uses, not what its last burst left behind. "
         "0 turns it off.",
+    )
+    cache_bytes: ByteSize | None = Field(
+        None,
+        description="Most bytes of outputs the replica keeps, per input, to answer a repeated "
+        "input without computing it again (least recently used evicted first). Default: 1/20 "
+        "of the host memory the replica may use (the smallest of the host's total, its "
+        "memory cgroup's limit and, on CPU, --memory-limit), in whole MiB; 0 turns it off.",
+    )
+    deduplicate: bool = Field(
+        True,
+        description="An input equal to one already queued or running waits for that "
+        "computation instead of being computed again.",
     )
     target_latency_ms: float | None = Field(
         None,
@@ -389,6 +409,15 @@ class LauncherSettings(BaseSettings):
     )
     rate_limit_burst: int = Field(
         200, ge=1, description="Requests per client allowed above the rate in a burst."
+    )
+    nginx_cache_bytes: ByteSize = Field(
+        0,
+        description="Let Nginx cache whole answers of /v1/embeddings and /v1/infer, keyed by "
+        "the request body and its API key, up to this many bytes on disk under the work "
+        "folder; 0 (the default) turns it off.",
+    )
+    nginx_cache_valid_s: int = Field(
+        60, ge=1, description="How long Nginx keeps one cached answer."
     )
     ready_timeout_s: float = Field(
         300.0, gt=0, description="How long to wait for every replica to be ready."

@@ -109,18 +109,27 @@ class ScriptedProbe:
         limit: MemoryLimit | None = None,
         *,
         model: ScriptedModel | None = None,
+        enforced: MemoryLimit | None = None,
+        enforced_free_bytes: int | None = None,
     ) -> None:
         self.free_bytes = free_bytes
         self.limit = limit
+        self.enforced = enforced
+        """The enforced limit (None: none read), with ``enforced_free_bytes`` under it
+        (default: ``free_bytes``)."""
+        self.enforced_free_bytes = enforced_free_bytes
         self.released = 0
         self.model = model
         self.settled_before: list[int] = []
         """For each ``settle()``: how many batches ``model`` had run by then."""
 
     def read(self) -> MemoryReading:
+        enforced_free = self.enforced_free_bytes
         return MemoryReading(
-            free_bytes=self.free_bytes, used_bytes=0, limit=self.limit, sources=("scripted",)
-        )
+            free_bytes=self.free_bytes, used_bytes=0, limit=self.limit, sources=("scripted",),
+            enforced=self.enforced,
+            enforced_free_bytes=self.free_bytes if enforced_free is None else enforced_free,
+        )  # fmt: skip
 
     def start_batch(self) -> int | None:
         return None
@@ -199,6 +208,30 @@ class FakeCuda(TorchFunctionMode):
                 self.copies.append((tuple(source.shape), pinned, bool(kwargs.get("non_blocking"))))
                 return source
         return func(*args, **kwargs)
+
+
+SLOW_FORWARD_ENV = "BATCHFIT_TEST_SLOW_FORWARD"
+
+
+class SlowWarmUpModel(ScriptedModel):
+    """Every pass of more than one short input takes ``seconds`` (a sleep on the model
+    thread, which nothing interrupts); the file named by ``$BATCHFIT_TEST_SLOW_FORWARD`` is
+    created as the first such pass starts."""
+
+    def __init__(self, seconds: float = 120.0) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, items: Sequence[Item]) -> list[Any]:
+        if len(items) > 1 or max(item.cost for item in items) > 8:
+            Path(os.environ[SLOW_FORWARD_ENV]).touch()
+            time.sleep(self.seconds)
+        return super().forward(items)
+
+
+def slow_warm_up_model() -> SlowWarmUpModel:
+    """Entry point for ``--model python:tests.fakes:slow_warm_up_model``."""
+    return SlowWarmUpModel()
 
 
 class FaultyDeviceModel(ScriptedModel):

@@ -72,7 +72,8 @@ class Family:
     name: str
     like: str
     kind: str  # embed, rerank or classify
-    build: Callable[[Path], None]
+    build: Callable[..., None]
+    """``build(folder)``; ``build(folder, True)``: the family at MiniLM's width."""
     requests: tuple[dict[str, Any], ...] = ({},)
     """Request options to try (each compared with the reference given the same prompt)."""
     padding_sides: tuple[str, ...] = ()
@@ -89,10 +90,11 @@ def _train(tokenizer: Tokenizer, trainer: Any) -> Tokenizer:
 
 
 def _save_tokenizer(
-    tokenizer: Tokenizer, folder: Path, tokenizer_class: str, **special_tokens: Any
-) -> None:
+    tokenizer: Tokenizer, folder: Path, tokenizer_class: str, max_tokens: int = MAX_TOKENS,
+    **special_tokens: Any,
+) -> None:  # fmt: skip
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, model_max_length=MAX_TOKENS, **special_tokens
+        tokenizer_object=tokenizer, model_max_length=max_tokens, **special_tokens
     )
     fast.save_pretrained(folder)
     config_path = folder / "tokenizer_config.json"
@@ -101,7 +103,7 @@ def _save_tokenizer(
     config_path.write_text(json.dumps(config, indent=2))
 
 
-def xlm_roberta_tokenizer(folder: Path) -> int:
+def xlm_roberta_tokenizer(folder: Path, max_tokens: int = MAX_TOKENS) -> int:
     """A sentencepiece-style Unigram with XLM-R's ids (<s> 0, <pad> 1, </s> 2, <unk> 3) and
     its templates; returns the vocabulary size."""
     specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
@@ -118,7 +120,7 @@ def xlm_roberta_tokenizer(folder: Path) -> int:
         special_tokens=[("<s>", 0), ("</s>", 2)],
     )  # fmt: skip
     _save_tokenizer(
-        tokenizer, folder, "XLMRobertaTokenizer", bos_token="<s>", eos_token="</s>",
+        tokenizer, folder, "XLMRobertaTokenizer", max_tokens, bos_token="<s>", eos_token="</s>",
         sep_token="</s>", cls_token="<s>", unk_token="<unk>", pad_token="<pad>",
         mask_token="<mask>",
     )  # fmt: skip
@@ -136,7 +138,7 @@ def _byte_level_bpe(specials: list[str], vocab_size: int = 600) -> Tokenizer:
     ))  # fmt: skip
 
 
-def modernbert_tokenizer(folder: Path) -> dict[str, int]:
+def modernbert_tokenizer(folder: Path, max_tokens: int = MAX_TOKENS) -> dict[str, int]:
     """Byte-level BPE with [CLS] text [SEP], as ModernBERT's; returns its special ids."""
     specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
     tokenizer = _byte_level_bpe(specials)
@@ -146,13 +148,15 @@ def modernbert_tokenizer(folder: Path) -> dict[str, int]:
         special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])],
     )  # fmt: skip
     _save_tokenizer(
-        tokenizer, folder, "PreTrainedTokenizerFast", unk_token="[UNK]", cls_token="[CLS]",
-        sep_token="[SEP]", pad_token="[PAD]", mask_token="[MASK]",
+        tokenizer, folder, "PreTrainedTokenizerFast", max_tokens, unk_token="[UNK]",
+        cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", mask_token="[MASK]",
     )  # fmt: skip
     return ids | {"vocab_size": tokenizer.get_vocab_size()}
 
 
-def qwen3_tokenizer(folder: Path, padding_side: str = "left") -> tuple[int, int]:
+def qwen3_tokenizer(
+    folder: Path, padding_side: str = "left", max_tokens: int = MAX_TOKENS
+) -> tuple[int, int]:
     """Byte-level BPE that appends <|endoftext|> to every input, as Qwen3-Embedding's
     tokenizer does, padding on the left; returns (vocabulary size, end-of-text id)."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -163,7 +167,7 @@ def qwen3_tokenizer(folder: Path, padding_side: str = "left") -> tuple[int, int]
         special_tokens=[("<|endoftext|>", eos)],
     )  # fmt: skip
     _save_tokenizer(
-        tokenizer, folder, "Qwen2Tokenizer", eos_token="<|endoftext|>",
+        tokenizer, folder, "Qwen2Tokenizer", max_tokens, eos_token="<|endoftext|>",
         pad_token="<|endoftext|>", unk_token=None, padding_side=padding_side,
     )  # fmt: skip
     return tokenizer.get_vocab_size(), eos
@@ -200,49 +204,62 @@ def _sentence_transformer(
     model.save(str(out))
 
 
-def _bert(out: Path, seed: int, **st: Any) -> None:
+# The parity models are tiny; ``wide=True`` builds each family at the width of
+# all-MiniLM-L6-v2 with 512 positions, so that a forward pass's activations outweigh the
+# allocator's few MiB of slack (scripts/memory_table.py).
+WIDE_TOKENS = 512
+BERT_WIDE = {"hidden_size": 384, "intermediate_size": 1536, "num_attention_heads": 12,
+             "max_position_embeddings": WIDE_TOKENS}  # fmt: skip
+
+
+def _bert(out: Path, seed: int, wide: bool = False, **st: Any) -> None:
     torch.manual_seed(seed)
-    base = save_tiny_model(out.with_name(out.name + "-hf"), seed=seed)
+    base = save_tiny_model(
+        out.with_name(out.name + "-hf"), seed=seed, **(BERT_WIDE if wide else {})
+    )
     _sentence_transformer(base, out, **st)
 
 
-def build_bert_cls(out: Path) -> None:
-    _bert(out, 11, pooling={"pooling_mode": "cls"})
+def build_bert_cls(out: Path, wide: bool = False) -> None:
+    _bert(out, 11, wide, pooling={"pooling_mode": "cls"})
 
 
-def build_bert_mean_raw(out: Path) -> None:
-    _bert(out, 12, pooling={"pooling_mode": "mean"}, normalize=False)
+def build_bert_mean_raw(out: Path, wide: bool = False) -> None:
+    _bert(out, 12, wide, pooling={"pooling_mode": "mean"}, normalize=False)
 
 
-def build_bert_dense(out: Path) -> None:
-    _bert(out, 13, pooling={"pooling_mode": "max"}, dense=((24, "Tanh"), (16, "Identity")))
+def build_bert_dense(out: Path, wide: bool = False) -> None:
+    _bert(out, 13, wide, pooling={"pooling_mode": "max"}, dense=((24, "Tanh"), (16, "Identity")))
 
 
-def build_bert_prompts(out: Path) -> None:
+def build_bert_prompts(out: Path, wide: bool = False) -> None:
     _bert(
-        out, 14, pooling={"pooling_mode": "mean"},
+        out, 14, wide, pooling={"pooling_mode": "mean"},
         prompts={"query": "query: ", "passage": "passage: "}, default_prompt_name="query",
     )  # fmt: skip
 
 
-def build_bert_instructor(out: Path) -> None:
+def build_bert_instructor(out: Path, wide: bool = False) -> None:
     """Prompts left out of pooling (include_prompt false), two pooling modes concatenated."""
     _bert(
-        out, 15,
+        out, 15, wide,
         pooling={"pooling_mode": ("weightedmean", "mean_sqrt_len_tokens"), "include_prompt": False},
         prompts={"query": "Represent the question for retrieving documents: "},
     )  # fmt: skip
 
 
-def build_xlm_roberta(out: Path) -> None:
+def build_xlm_roberta(out: Path, wide: bool = False) -> None:
     base = out.with_name(out.name + "-hf")
     base.mkdir(parents=True, exist_ok=True)
-    vocab_size = xlm_roberta_tokenizer(base)
+    tokens = WIDE_TOKENS if wide else MAX_TOKENS
+    vocab_size = xlm_roberta_tokenizer(base, tokens)
     torch.manual_seed(16)
     config = XLMRobertaConfig(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=MAX_TOKENS + 2, pad_token_id=1,
-        bos_token_id=0, eos_token_id=2, type_vocab_size=1, architectures=["XLMRobertaModel"],
+        vocab_size=vocab_size, num_hidden_layers=2, max_position_embeddings=tokens + 2,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
+        architectures=["XLMRobertaModel"],
+        **({k: v for k, v in BERT_WIDE.items() if k != "max_position_embeddings"} if wide else
+           {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}),
     )  # fmt: skip
     AutoModel.from_config(config).save_pretrained(base, safe_serialization=True)
     _sentence_transformer(
@@ -251,15 +268,18 @@ def build_xlm_roberta(out: Path) -> None:
     )  # fmt: skip
 
 
-def build_modernbert(out: Path) -> None:
+def build_modernbert(out: Path, wide: bool = False) -> None:
     base = out.with_name(out.name + "-hf")
     base.mkdir(parents=True, exist_ok=True)
-    ids = modernbert_tokenizer(base)
+    tokens = WIDE_TOKENS if wide else MAX_TOKENS
+    ids = modernbert_tokenizer(base, tokens)
     torch.manual_seed(17)
     config = ModernBertConfig(
-        vocab_size=ids["vocab_size"], hidden_size=32, intermediate_size=48,
-        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=MAX_TOKENS,
-        global_attn_every_n_layers=2, local_attention=16, pad_token_id=ids["[PAD]"],
+        vocab_size=ids["vocab_size"], hidden_size=384 if wide else 32,
+        intermediate_size=1152 if wide else 48, num_hidden_layers=2,
+        num_attention_heads=6 if wide else 2, max_position_embeddings=tokens,
+        global_attn_every_n_layers=2, local_attention=128 if wide else 16,
+        pad_token_id=ids["[PAD]"],
         bos_token_id=ids["[CLS]"], eos_token_id=ids["[SEP]"], cls_token_id=ids["[CLS]"],
         sep_token_id=ids["[SEP]"], architectures=["ModernBertModel"],
     )  # fmt: skip
@@ -271,15 +291,18 @@ def build_modernbert(out: Path) -> None:
     )  # fmt: skip
 
 
-def build_qwen3(out: Path) -> None:
+def build_qwen3(out: Path, wide: bool = False) -> None:
     base = out.with_name(out.name + "-hf")
     base.mkdir(parents=True, exist_ok=True)
-    vocab_size, eos = qwen3_tokenizer(base)
+    tokens = WIDE_TOKENS if wide else MAX_TOKENS
+    vocab_size, eos = qwen3_tokenizer(base, max_tokens=tokens)
     torch.manual_seed(18)
     config = Qwen3Config(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        max_position_embeddings=MAX_TOKENS, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=vocab_size, hidden_size=384 if wide else 32,
+        intermediate_size=1024 if wide else 64, num_hidden_layers=2,
+        num_attention_heads=8 if wide else 4, num_key_value_heads=2,
+        head_dim=48 if wide else 8,
+        max_position_embeddings=tokens, eos_token_id=eos, pad_token_id=eos,
         tie_word_embeddings=False, architectures=["Qwen3Model"],
     )  # fmt: skip
     AutoModel.from_config(config).save_pretrained(base, safe_serialization=True)
@@ -288,35 +311,40 @@ def build_qwen3(out: Path) -> None:
     )
 
 
-def build_ce_identity(out: Path) -> None:
+def build_ce_identity(out: Path, wide: bool = False) -> None:
     """A cross-encoder whose config.json names the Identity activation with the key
     sentence-transformers before 4.0 wrote (as the ms-marco cross-encoders do)."""
-    save_tiny_model(out, task="rerank", seed=19)
+    save_tiny_model(out, task="rerank", seed=19, **(BERT_WIDE if wide else {}))
     config = json.loads((out / "config.json").read_text())
     config["sbert_ce_default_activation_function"] = "torch.nn.modules.linear.Identity"
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def build_ce_sigmoid(out: Path) -> None:
+def build_ce_sigmoid(out: Path, wide: bool = False) -> None:
     """A cross-encoder saved by sentence-transformers' ``CrossEncoder`` naming Sigmoid."""
     from sentence_transformers import CrossEncoder
 
-    base = save_tiny_model(out.with_name(out.name + "-hf"), task="rerank", seed=20)
+    base = save_tiny_model(
+        out.with_name(out.name + "-hf"), task="rerank", seed=20, **(BERT_WIDE if wide else {})
+    )
     CrossEncoder(str(base), activation_fn=torch.nn.Sigmoid(), device="cpu").save(str(out))
 
 
-def build_multi_label(out: Path) -> None:
+def build_multi_label(out: Path, wide: bool = False) -> None:
     torch.manual_seed(21)
+    shape = BERT_WIDE if wide else {
+        "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+        "max_position_embeddings": MAX_TOKENS,
+    }  # fmt: skip
     config = BertConfig(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=MAX_TOKENS, num_labels=3,
+        vocab_size=30522, num_hidden_layers=2, **shape, num_labels=3,
         id2label=LABELS, label2id={v: k for k, v in LABELS.items()},
         problem_type="multi_label_classification",
         architectures=["BertForSequenceClassification"],
     )  # fmt: skip
     BertForSequenceClassification(config).save_pretrained(out, safe_serialization=True)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(BUNDLED_MODEL))
-    tokenizer.model_max_length = MAX_TOKENS
+    tokenizer.model_max_length = shape["max_position_embeddings"]
     tokenizer.save_pretrained(out)
 
 
@@ -329,7 +357,12 @@ FAMILIES = (
         "e5 (query: / passage:, a default prompt)",
         "embed",
         build_bert_prompts,
-        requests=({}, {"prompt_name": "passage"}, {"prompt": "title: "}),
+        requests=(
+            {},
+            {"prompt_name": "passage"},
+            {"prompt": "title: "},
+            {"prompt_name": "passage", "truncation_direction": "left"},
+        ),
     ),
     Family(
         "bert-instructor",
@@ -357,7 +390,11 @@ FAMILIES = (
         "Qwen3-Embedding (last token, instruction; left and right padding)",
         "embed",
         build_qwen3,
-        requests=({"prompt_name": "query"}, {}),
+        requests=(
+            {"prompt_name": "query"},
+            {},
+            {"prompt_name": "query", "truncation_direction": "left"},
+        ),
         padding_sides=("left", "right"),
     ),
     Family("ce-identity", "ms-marco cross-encoders (Identity)", "rerank", build_ce_identity),
@@ -366,12 +403,14 @@ FAMILIES = (
 )
 
 
-def build_all(root: Path, families: tuple[Family, ...] = FAMILIES) -> dict[str, Path]:
+def build_all(
+    root: Path, families: tuple[Family, ...] = FAMILIES, *, wide: bool = False
+) -> dict[str, Path]:
     folders = {}
     with quiet():
         for family in families:
             folder = root / family.name
-            family.build(folder)
+            family.build(folder, wide) if wide else family.build(folder)
             folders[family.name] = folder
     return folders
 
@@ -441,6 +480,8 @@ def _reference_embeddings(
         model = SentenceTransformer(str(folder), device="cpu")
         if padding_side is not None:
             model.tokenizer.padding_side = padding_side
+        if request.get("truncation_direction") is not None:
+            model.tokenizer.truncation_side = request["truncation_direction"]
         return model.encode(
             TEXTS, prompt_name=request.get("prompt_name"), prompt=request.get("prompt"),
             batch_size=8, show_progress_bar=False, convert_to_numpy=True,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from server.supervise.nginx import NginxConfig, check_config, nginx_command, prepare_prefix, render
 from tests.ci import unavailable
-from tests.servers import ROOT, free_port
+from tests.servers import ROOT, free_port, without_cache
 
 _REPLICA_LINE = re.compile(
     r"^(replica-\d+): (http://\S+) pid (\d+) metrics (http://\S+) ", re.MULTILINE
@@ -103,7 +103,7 @@ def start_launcher(tmp_path: Path, *flags: str, replicas: int) -> Launch:
     with open(output_path, "wb") as out, open(errors_path, "wb") as err:
         process = subprocess.Popen(
             [sys.executable, "-m", "server", "up", "--replicas", str(replicas),
-             "--port", str(port), "--workdir", str(workdir), *flags],
+             "--port", str(port), "--workdir", str(workdir), *without_cache(flags)],
             cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     return Launch(f"http://127.0.0.1:{port}", process, workdir, output_path, errors_path)
@@ -173,15 +173,17 @@ class Nginx:
 def run_nginx(
     tmp_path: Path, upstreams: Sequence[str], *, max_body_bytes: int = 2 * 2**20,
     read_timeout_s: int = 30, rate_limit_rps: int = 1000, rate_limit_burst: int = 1000,
+    **options: int,
 ) -> Iterator[Nginx]:  # fmt: skip
-    """A real Nginx from deploy/nginx/nginx.conf.template in front of ``upstreams``."""
+    """A real Nginx from deploy/nginx/nginx.conf.template in front of ``upstreams``;
+    ``options`` are more ``NginxConfig`` fields (``cache_bytes``...)."""
     nginx = require_nginx()
     port = free_port()
     prefix = tmp_path / f"nginx-{port}"
     config = NginxConfig(
         upstreams=upstreams, listen=f"127.0.0.1:{port}", max_body_bytes=max_body_bytes,
         read_timeout_s=read_timeout_s, rate_limit_rps=rate_limit_rps,
-        rate_limit_burst=rate_limit_burst, prefix=prefix,
+        rate_limit_burst=rate_limit_burst, prefix=prefix, **options,
     )  # fmt: skip
     conf = prepare_prefix(prefix, render(config))
     check_config(nginx, prefix, conf)

@@ -52,11 +52,24 @@ def wait_ready(server: ServerProcess, timeout_s: float) -> None:
     raise TimeoutError(f"server not ready after {timeout_s}s:\n{server.log()}")
 
 
+NO_CACHE = ("--cache-bytes", "0", "--no-deduplicate")
+
+
+def without_cache(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """Replicas of the tests compute every input (each test sends its texts again and counts
+    batches, fills the queue with one text...) unless a test sets --cache-bytes itself, as
+    the cache's own tests do."""
+    if any(flag.startswith("--cache-bytes") for flag in flags):
+        return flags
+    return (*NO_CACHE, *flags)
+
+
 @contextlib.contextmanager
 def run_server(
     tmp_path: Path, *flags: str, env: dict[str, str] | None = None, ready_timeout_s: float = 180,
     preexec=None,
 ) -> Iterator[ServerProcess]:  # fmt: skip
+    flags = without_cache(flags)
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
     with open(log_path, "wb") as log:
@@ -95,7 +108,7 @@ def queue_held(url: str, capacity: int, *, metrics_url: str | None = None) -> It
     with ThreadPoolExecutor(1) as pool:
         background = pool.submit(
             httpx.post, f"{url}/v1/infer", timeout=300,
-            json={"inputs": [LONG_INPUT] * capacity, "timeout_s": 300},
+            json={"inputs": [f"{i} {LONG_INPUT}" for i in range(capacity)], "timeout_s": 300},
         )  # fmt: skip
         deadline = time.monotonic() + 60
         while queue_depth(metrics_url or f"{url}/metrics") < 1:

@@ -22,13 +22,15 @@ async def test_one_json_line_per_request_without_the_text(registry, capsys):
         bad = await client.post("/v1/infer", json={"inputs": 5}, headers={"X-Request-ID": "r-2"})
         await client.get("/health/ready")
         await client.get("/metrics")
-        single = await client.post("/v1/infer", json={"inputs": SECRET})
+        single = await client.post("/v1/infer", json={"inputs": SECRET + " again"})
+        repeated = await client.post("/v1/infer", json={"inputs": ["b", SECRET + " too"]})
     assert ok.status_code == 200 and bad.status_code == 422 and single.status_code == 200
+    assert repeated.status_code == 200
     captured = capsys.readouterr().out
     assert SECRET not in captured and "confidential" not in captured
     entries = [json.loads(line) for line in captured.splitlines()]
-    assert [e["endpoint"] for e in entries] == ["/v1/infer"] * 3
-    first, second, third = entries
+    assert [e["endpoint"] for e in entries] == ["/v1/infer"] * 4
+    first, second, third, fourth = entries
     assert first["request_id"] == "r-1" and first["method"] == "POST"
     assert first["status"] == 200 and first["error_type"] is None
     assert first["inputs"] == 3
@@ -39,9 +41,12 @@ async def test_one_json_line_per_request_without_the_text(registry, capsys):
     assert second["status"] == 422 and second["error_type"] == "invalid_request"
     assert second["inputs"] is None and second["batch_sizes"] is None
     assert third["inputs"] == 1 and third["batch_sizes"] == [1]
+    assert first["cache_hits"] == third["cache_hits"] == 0
+    # "b" is answered from the output cache; only the other input runs.
+    assert fourth["cache_hits"] == 1 and fourth["batch_sizes"] == [1]
     assert set(first) == {
         "time", "request_id", "method", "endpoint", "status", "error_type", "inputs", "tokens",
-        "queue_wait_s", "batch_sizes", "duration_s",
+        "queue_wait_s", "batch_sizes", "cache_hits", "duration_s",
     }  # fmt: skip
 
 

@@ -250,3 +250,23 @@ async def test_error_messages_say_what_is_wrong(registry, kwargs, status, messag
         response = await client.post("/v1/infer", headers=headers, **kwargs)
     body = assert_error(response, status, "invalid_json" if status == 400 else "invalid_request")
     assert body["error"] == message
+
+
+async def test_truncation_direction_is_checked_and_needs_a_model_that_takes_it(registry):
+    async with running(ScriptedModel(), registry) as client:
+        bad = await client.post("/v1/infer", json={"inputs": "a", "truncation_direction": "middle"})
+        unsupported = await client.post(
+            "/v1/infer", json={"inputs": "a", "truncation_direction": "left"}
+        )
+        kserve = await client.post(
+            "/v2/models/scripted/infer",
+            json={"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["a"]}],
+                  "parameters": {"truncation_direction": "up"}},
+        )  # fmt: skip
+        after = await client.post("/v1/infer", json={"inputs": "a"})
+    assert_error(bad, 422, "invalid_request")
+    body = assert_error(unsupported, 400, "unsupported_parameter")
+    assert "truncation_direction" in body["error"]
+    assert kserve.status_code == 400, kserve.text  # KServe's own error shape
+    assert "truncation_direction must be right or left" in kserve.json()["error"]
+    assert after.status_code == 200

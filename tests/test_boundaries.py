@@ -3,6 +3,8 @@ batching never imports a concrete model (nor server); bulk jobs compose models a
 without the server; none of models and batching imports bulk."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,12 @@ def test_public_names_are_exported(package):
     assert module.__all__
     for name in module.__all__:
         assert hasattr(module, name)
+
+
+def test_serving_never_imports_pyarrow():
+    """``batchfit serve`` imports the bulk commands' parsers but not Parquet: pyarrow's
+    libraries would add their resident pages to every replica under a memory limit."""
+    code = "import sys, server.cli, server.app; print('pyarrow' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, cwd=ROOT)  # fmt: skip
+    assert done.stdout.strip() == "False"

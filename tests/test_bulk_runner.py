@@ -1,6 +1,8 @@
 """The bulk model loop over a fake embedder and a scripted memory probe: outputs in input order,
 OOM split, batches split when memory shrinks, and which peaks correct the memory model."""
 
+import math
+
 import numpy as np
 
 from batching import MemoryLimit, MemoryReading
@@ -24,7 +26,10 @@ class Probe:
 
     def read(self) -> MemoryReading:
         free = self.frees.pop(0) if self.frees else self.free_bytes
-        return MemoryReading(free_bytes=free, used_bytes=0, limit=self.limit)
+        return MemoryReading(
+            free_bytes=free, used_bytes=0, limit=self.limit, enforced=self.limit,
+            enforced_free_bytes=free if self.limit is not None else None,
+        )  # fmt: skip
 
     def start_batch(self):
         return 0 if self.peak is not None else None
@@ -78,7 +83,7 @@ def test_batches_are_split_before_they_run_when_memory_shrank_since_the_plan():
     predict = runner.sizer.predict
     room = predict(3, 32)
     probe.frees = [10**12]  # the plan's reading; every later read sees ``room``
-    probe.free_bytes = int(room)
+    probe.free_bytes = math.ceil(room)  # room for 3 x 32 exactly, not a byte less
     outputs = runner.run(items)
     assert all(not isinstance(o, OutOfMemoryInput) for o in outputs)
     assert runner.stats.budget_splits >= 1 and runner.stats.oom_splits == 0
@@ -132,3 +137,34 @@ def test_warm_up_calibrates_the_sizer_and_proves_a_ceiling():
     runner.warm_up()
     assert runner.sizer.proven_bytes is not None
     assert runner.sizer.ceiling_bytes == runner.sizer.proven_bytes <= 2**20
+
+
+def warm_up_shapes(model):
+    ran, forward = [], model.forward
+    model.forward = lambda items: ran.append((len(items), items[0].cost)) or forward(items)
+    runner = runner_for(model, Probe(free_bytes=None), max_items=128, max_tokens=4096)
+    return ran, runner.warm_up()
+
+
+def test_warm_up_climbs_the_servers_ladder_and_reports_the_longest_proven_length():
+    """The server's warm-up: 32 tokens (a quarter batch first), then x4 to the maximum, each
+    at the largest batch the caps allow, and one input alone at the longest length."""
+    ran, report = warm_up_shapes(FakeEmbedder(max_input_tokens=512))
+    assert ran == [(32, 32), (128, 32), (32, 128), (8, 512), (1, 512)]
+    assert report.describe() == "longest proven input 512 tokens of 512"
+    assert report.stopped is None
+
+
+def test_an_oom_in_warm_up_halves_the_batch_and_lowers_the_ceiling_it_then_stops_at():
+    ran, report = warm_up_shapes(FakeEmbedder(max_input_tokens=512, oom_above_tokens=2048))
+    assert ran == [(32, 32), (128, 32), (64, 32), (8, 128), (1, 128)]
+    assert report.describe() == "longest proven input 128 tokens of 512"
+    assert report.stopped.startswith("one input of 512 tokens is predicted to need")
+
+
+def test_the_reserve_is_kept_out_of_the_room_a_lone_input_is_refused_by():
+    reserve = Reserve()
+    probe = Probe(free_bytes=10 * 2**20, limit=MemoryLimit("cgroup", 2**30, "/x"))
+    runner = runner_for(FakeEmbedder(), probe, reserve=reserve)
+    reserve.set("reader", 4 * 2**20)
+    assert runner.read().enforced_free_bytes == 6 * 2**20

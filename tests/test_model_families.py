@@ -204,6 +204,14 @@ def test_decoders_through_automodel_read_their_last_token(tmp_path, model_type, 
     folder = decoder_folder(tmp_path, model_type, with_eos=with_eos)
     model, vectors = ours(folder)
     assert (model.info.shape.architecture, model.info.pooling) == ("decoder", "lasttoken")
+    # What the memory prior reads: grouped-query attention, the kernel in use, the window.
+    shape = model.info.shape
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim) == (4, 2, 8)
+    assert (shape.attention, shape.gated_mlp) == ("sdpa", True)
+    # (Qwen2's window is off unless use_sliding_window; Llama has none, whatever this
+    # test's config carries.)
+    windowed = {"qwen2": None, "mistral": 16, "gemma3_text": 16}
+    assert shape.sliding_window == windowed.get(model_type, shape.sliding_window)
     assert_same(vectors, st_encode(folder))
     items = model.prepare(["the cat"], truncate=True)
     eos = AutoTokenizer.from_pretrained(folder).eos_token_id

@@ -105,6 +105,25 @@ def test_truncation_and_too_long(tiny_embedder):
         tiny_embedder.prepare(["ok", long_text], truncate=False)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_truncation_direction_cuts_the_prompted_text_as_the_tokenizer_does(tmp_path, side):
+    """Truncation cuts the text with its prompt in front, as sentence-transformers does: from
+    the left, a long input loses its prompt and keeps its end."""
+    from transformers import AutoTokenizer
+
+    folder = save_tiny_model(tmp_path / "m", max_position_embeddings=12)
+    model = load_model(ModelSpec(model=str(folder), device="cpu"))
+    text = " ".join(f"w{i}" for i in range(40))
+    (item,) = model.prepare([text], truncate=True, prompt="query: ", truncation_direction=side)
+    reference = AutoTokenizer.from_pretrained(folder, truncation_side=side)
+    expected = reference("query: " + text, truncation=True, max_length=12)["input_ids"]
+    assert item.data.ids == expected
+    assert item.cost == 12
+    assert model.info.truncation_side == "right"  # the default: the tokenizer's own
+    (default,) = model.prepare([text], truncate=True, prompt="query: ")
+    assert (default.data.ids == expected) is (side == "right")
+
+
 def test_cost_is_token_count(tiny_embedder):
     (item,) = tiny_embedder.prepare(["hello world"], truncate=True)
     assert item.cost == len(item.data.ids) == 4  # [CLS] hello world [SEP]

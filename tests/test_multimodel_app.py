@@ -107,7 +107,10 @@ async def test_the_ready_line_names_every_model_default_first(registry, caplog):
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in")]
     expected = " serves a (embed: 1 dims), b (classify) on cpu, float32; a: fixed batches ("
     assert expected in line, line
-    assert "; b: fixed batches (at most 128 items, 4096 padded tokens); status page" in line, line
+    assert (
+        "; b: fixed batches (at most 128 items, 4096 padded tokens); longest proven input 32 "
+        "tokens of 64; status page" in line
+    ), line
 
 
 async def test_the_ready_line_gives_every_models_memory_budget(registry, caplog):
@@ -130,4 +133,7 @@ async def test_the_ready_line_gives_every_models_memory_budget(registry, caplog)
         r"memory budget [\d,]+ MiB per batch \([^)]*free 1,000 MiB less 25% headroom[^;]*; "
         r"at most 16"
     )
-    assert re.search(rf"; a: {budget}[^;]*; b: {budget}[^;]*; status page", line), line
+    proven = "; longest proven input 64 tokens of 64"
+    assert re.search(rf"; a: {budget}[^;]*{proven}; b: {budget}[^;]*{proven}; status page", line), (
+        line
+    )

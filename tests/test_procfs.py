@@ -287,6 +287,22 @@ def test_host_probe_says_the_cgroup_binds(tmp_path):
     assert HostProbe(cgroup=None).read().limit.source == "host"
 
 
+def test_the_enforced_limit_is_the_cgroup_even_where_the_flag_binds(tmp_path):
+    """--memory-limit caps the budget, but nothing enforces it at its value: refusals look
+    at the cgroup's room under it."""
+    make_tree(tmp_path, {
+        "x/memory.max": f"{64 * MiB}\n", "x/memory.high": "max\n",
+        "x/memory.current": f"{48 * MiB}\n", "x/memory.stat": f"inactive_file {8 * MiB}\n",
+    })  # fmt: skip
+    cgroup = MemoryCgroup(2, levels(tmp_path, "/x"))
+    rss = HostProbe(cgroup=cgroup).read().resident_bytes
+    reading = HostProbe(cgroup=cgroup, memory_limit_bytes=rss + 4 * MiB).read()
+    assert reading.limit.source == "flag"
+    assert reading.enforced.describe() == "64 MiB (cgroup /x)"
+    assert reading.enforced_free_bytes == 24 * MiB
+    assert HostProbe(cgroup=None).read().enforced.source == "host"
+
+
 # --- the cpu cgroup and its quota ---
 
 

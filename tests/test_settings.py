@@ -93,7 +93,7 @@ PLAN_VALUES = {
     "model": "/some/folder", "task": "embed", "device": "cpu", "dtype": "bfloat16",
     "quantize": "int8", "num_threads": 3, "max_input_tokens": 64, "max_batch_size": 7,
     "max_batch_tokens": 999, "memory_headroom": 0.3, "memory_limit": "1GiB",
-    "default_prompt_name": ("query",),
+    "default_prompt_name": ("query",), "warmup_timeout_s": 5.0,
 }  # fmt: skip
 
 
@@ -104,8 +104,10 @@ def test_every_plan_flag_changes_what_the_plan_is_built_from():
     base = Settings()
     for name, value in PLAN_VALUES.items():
         changed = Settings(**{name: value})
-        built = (changed.model_spec(), changed.adaptive_config(), changed.memory_limit)
-        assert built != (base.model_spec(), base.adaptive_config(), base.memory_limit), name
+        built = (changed.model_spec(), changed.adaptive_config(), changed.memory_limit,
+                 changed.warmup_timeout_s)  # fmt: skip
+        assert built != (base.model_spec(), base.adaptive_config(), base.memory_limit,
+                         base.warmup_timeout_s), name  # fmt: skip
 
 
 def test_several_models_by_flag_with_names_and_tasks():

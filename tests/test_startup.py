@@ -33,7 +33,8 @@ async def test_ready_line_names_url_model_device_dtype_and_fixed_budget(registry
     [line] = _ready_lines(caplog)
     assert line.endswith(
         ": http://127.0.0.1:9123 serves scripted (embed: 1 dims) on cpu, float32; fixed batches "
-        "(at most 8 items, 4096 padded tokens); status page http://127.0.0.1:9123/status"
+        "(at most 8 items, 4096 padded tokens); longest proven input 64 tokens of 64; "
+        "status page http://127.0.0.1:9123/status"
     ), line
 
 

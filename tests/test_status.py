@@ -65,6 +65,7 @@ def test_a_sample_sums_up_its_interval(registry):
         "latency_p99_ms": 99.0, "queue_depth": 5, "batches": 2, "batch_size": 6.0,
         "padded_tokens": 160.0, "memory_free_bytes": 1000, "budget_bytes": 800,
         "predicted_peak_bytes": 0, "measured_peak_bytes": 300, "oom_splits_total": 3,
+        "cache_hit_rate": None, "cache_bytes": 0,
     }  # fmt: skip
     quiet = history.sample(wall_s=103.0, mono_s=53.0)
     assert quiet["requests_per_s"] == 0 and quiet["latency_p50_ms"] is None
@@ -85,6 +86,23 @@ def test_with_several_models_counters_add_up_and_gauges_read_the_largest(registr
     sample = history.sample(wall_s=101.0, mono_s=51.0)
     assert (sample["batches"], sample["batch_size"], sample["padded_tokens"]) == (2, 3.0, 30.0)
     assert (sample["oom_splits_total"], sample["measured_peak_bytes"]) == (2, 700)
+
+
+def test_the_cache_hit_rate_is_over_every_lookup_since_start(registry):
+    from server.cache import CacheMetrics
+
+    cache = CacheMetrics(registry)
+    held = {"a": 1000.0, "b": 24.0}
+    for model in held:
+        cache.add_model(model, lambda m=model: held[m])
+    history = StatusHistory(registry, queue_depth=lambda: 0, window_s=10)
+    assert history.sample(wall_s=100.0, mono_s=50.0)["cache_hit_rate"] is None  # no lookup
+    cache.count("a", hits=5, misses=1, deduplicated=0)
+    cache.count("b", hits=1, misses=1, deduplicated=1)
+    sample = history.sample(wall_s=101.0, mono_s=51.0)
+    assert (sample["cache_hit_rate"], sample["cache_bytes"]) == (0.75, 1024)
+    cache.count("a", hits=0, misses=8, deduplicated=0)
+    assert history.sample(wall_s=102.0, mono_s=52.0)["cache_hit_rate"] == 0.375
 
 
 def test_the_ring_buffer_keeps_the_window_and_answers_since(registry):

@@ -31,13 +31,16 @@ async def warm_up_sizes(registry, limit, *, max_batch_size=1024):
 @pytest.mark.parametrize(
     ("source", "sizes"),
     [
-        # The kernel kills past these limits, and nothing fails at --memory-limit's value: a
-        # quarter of each length's batch runs first.
-        ("cgroup", [1, 8, 32, 4, 16]),
-        ("host", [1, 8, 32, 4, 16]),
-        ("flag", [1, 8, 32, 4, 16]),
+        # After the pass that starts the threads, the first length always runs a quarter
+        # batch first (two sizes tell a pass's fixed cost from its per-token cost), and the
+        # ladder ends with one input alone at the longest length. The kernel kills past
+        # these limits, and nothing fails at --memory-limit's value: a quarter of each
+        # length's batch runs first.
+        ("cgroup", [1, 8, 32, 4, 16, 1]),
+        ("host", [1, 8, 32, 4, 16, 1]),
+        ("flag", [1, 8, 32, 4, 16, 1]),
         # This fails an allocation instead, which warm-up already handles by halving.
-        ("rlimit", [1, 32, 16]),
+        ("rlimit", [1, 8, 32, 16, 1]),
     ],
 )
 async def test_where_memory_sets_the_warm_up_batch_a_killing_limit_gets_a_scout(
@@ -48,7 +51,7 @@ async def test_where_memory_sets_the_warm_up_batch_a_killing_limit_gets_a_scout(
 
 async def test_no_scout_where_a_cap_sets_the_warm_up_batch(registry):
     limit = MemoryLimit("cgroup", 2**21, "/x")
-    assert await warm_up_sizes(registry, limit, max_batch_size=8) == [1, 8, 8]
+    assert await warm_up_sizes(registry, limit, max_batch_size=8) == [1, 2, 8, 8, 1]
 
 
 async def test_memory_settles_before_every_calibration_batch_and_no_served_one(registry):

@@ -292,15 +292,18 @@ class EngineHost:
         self, worker: WorkerProcess, identity: bytes, header: Any, items_frame: bytes,
         watch: ConnectionWatch,
     ) -> None:  # fmt: skip
-        number, model, timeout_s, priority, request_id = header
+        number, model, timeout_s, priority, request_id, dimensions = header
         trace = RequestTrace()
         try:
             outputs, tokens = await self.runtime.infer_items(
                 wire.loads(items_frame), timeout_s=timeout_s, request_id=request_id,
                 priority=priority, model=model, trace=trace, client=watch,
+                dimensions=dimensions,
             )  # fmt: skip
             meta, frames = wire.encode_outputs(outputs)
-            answer = (number, meta, tokens, trace.queue_wait_s, trace.batch_sizes)
+            answer = (
+                number, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits,
+            )  # fmt: skip
             self._send(identity, wire.RESULT, answer, *frames)
         except ClientDisconnected:
             pass  # the API process has answered its client already
@@ -335,7 +338,15 @@ def serve_engine(settings: Settings) -> int:
         "listening on http://%s:%d with %d API processes; loading the model (/health/ready "
         "is 503 until ready)", settings.host, settings.port, settings.api_workers,
     )  # fmt: skip
+    host = EngineHost(settings)
     try:
-        return asyncio.run(EngineHost(settings).run(listener))
+        code = asyncio.run(host.run(listener))
     finally:
         listener.close()
+    if host.runtime.model_thread.busy:
+        # As a single-process replica (server/cli.py): stopped while loading or warming up,
+        # the interpreter would wait at exit for the model thread's load or forward pass.
+        log.warning("exiting without waiting for the model thread to finish")
+        logging.shutdown()
+        os._exit(code)
+    return code

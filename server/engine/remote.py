@@ -286,9 +286,13 @@ class RemoteRuntime:
         query: str | None = None,
         trace: RequestTrace | None = None,
         prompt: str | None = None,
+        truncation_direction: str | None = None,
         client: ClientWatch | None = None,
+        dimensions: int | None = None,
     ) -> tuple[list[Any], int]:
-        """As ``Runtime.infer``: tokenized here, queued and run in the engine."""
+        """As ``Runtime.infer``: tokenized here (``truncation_direction`` applies here);
+        looked up in the output cache, queued and run in the engine, which also cuts to
+        ``dimensions``."""
         if self.engine_lost:
             raise engine_gone()
         if self.draining:
@@ -297,7 +301,10 @@ class RemoteRuntime:
             raise not_ready()
         slot = self.slot(model)
         trace = trace if trace is not None else RequestTrace()
-        prepare = prepare_call(slot.model, inputs, truncate=truncate, query=query, prompt=prompt)
+        prepare = prepare_call(
+            slot.model, inputs, truncate=truncate, query=query, prompt=prompt,
+            truncation_direction=truncation_direction,
+        )  # fmt: skip
         chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
         chars += len(prompt or "") * len(inputs)
         if chars > slot.inline_tokenize_chars:
@@ -306,8 +313,9 @@ class RemoteRuntime:
             items = prepare()
         trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
         header, frames = await self._call(
-            wire.INFER, (slot.name, timeout_s, priority, request_id), wire.dumps(items),
+            wire.INFER, (slot.name, timeout_s, priority, request_id, dimensions),
+            wire.dumps(items),
             timeout_s=timeout_s + DEADLINE_GRACE_S, client=client,
         )  # fmt: skip
-        _, meta, tokens, trace.queue_wait_s, trace.batch_sizes = header
+        _, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits = header
         return wire.decode_outputs(meta, frames), tokens

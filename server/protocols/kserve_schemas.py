@@ -31,8 +31,8 @@ class InferenceRequest(BaseModel):
     id: str | None = None
     parameters: dict[str, Any] | None = Field(
         None,
-        description="Optional truncate (bool, default true), timeout_s (seconds) and "
-        "binary_data_output (bool).",
+        description="Optional truncate (bool, default true), truncation_direction (right or "
+        "left, default the model's), timeout_s (seconds) and binary_data_output (bool).",
     )
     inputs: list[RequestInput]
     outputs: list[RequestOutput] | None = None

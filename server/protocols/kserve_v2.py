@@ -198,6 +198,11 @@ async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
         not isinstance(timeout_s, int | float) or not math.isfinite(timeout_s) or timeout_s <= 0
     ):
         raise ApiError(400, "invalid_request", "parameter timeout_s must be a positive number")
+    truncation_direction = parameters.get("truncation_direction")
+    if truncation_direction not in (None, "right", "left"):
+        raise ApiError(
+            400, "invalid_request", "parameter truncation_direction must be right or left"
+        )
     prompt_name, prompt = parameters.get("prompt_name"), parameters.get("prompt")
     for key, value in (("prompt_name", prompt_name), ("prompt", prompt)):
         if value is not None and not isinstance(value, str):
@@ -211,6 +216,7 @@ async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
     outputs, _ = await infer_for_request(
         request, texts, request_id=request_id_of(request), truncate=truncate,
         timeout_s=timeout_s, model=slot.name, prompt_name=prompt_name, prompt=prompt,
+        truncation_direction=truncation_direction,
     )  # fmt: skip
     tensors = _output_tensors(info, shape_outputs(info, outputs))
     wanted = _requested_outputs(infer_request, tensors, parameters)

@@ -24,7 +24,6 @@ from ..inference import (
     check_inputs,
     infer_for_request,
     runtime_of,
-    shape_outputs,
     slot_for_task,
 )
 from ..lean import JsonAnswer, encode_json, is_json_media_type, lean_route, parse_body, read_body
@@ -167,11 +166,10 @@ async def handle_embeddings(request: Request) -> ASGIApp:
     try:
         outputs, num_tokens = await infer_for_request(
             request, inputs, request_id=request_id_of(request), model=slot.name,
-            prompt_name=body.prompt_name, prompt=body.prompt,
+            prompt_name=body.prompt_name, prompt=body.prompt, dimensions=body.dimensions,
         )  # fmt: skip
     except UnknownPrompt as exc:
         raise ParamError(400, "unknown_prompt", str(exc), "prompt_name") from None
-    outputs = shape_outputs(slot.info, outputs, dimensions=body.dimensions)
     return JsonAnswer(encode_embeddings(slot.name, outputs, num_tokens, body.encoding_format))
 
 

@@ -79,6 +79,8 @@ def ready_line(runtime: Runtime, elapsed_s: float) -> str:
     for slot in slots:
         assert slot.sizer is not None
         budget = memory_budget(slot.sizer, reading)
+        if slot.report is not None:
+            budget += f"; {slot.report.describe()}"
         budgets.append(f"{slot.name}: {budget}" if len(slots) > 1 else budget)
     return (
         f"ready in {elapsed_s:.1f}s: {url}{where} serves {served} on {info.device}, "

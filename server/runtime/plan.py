@@ -7,7 +7,8 @@ import math
 
 from prometheus_client import CollectorRegistry
 
-from batching import AdaptiveSizer, largest_batch
+from batching import AdaptiveSizer, PeakModel, largest_batch
+from models import ModelInfo
 
 from ..settings import Settings
 from .announce import outputs
@@ -21,7 +22,7 @@ PLAN_FIELDS = frozenset(
     {
         "model", "task", "default_prompt_name", "device", "dtype", "quantize", "num_threads",
         "max_input_tokens", "max_batch_size", "max_batch_tokens", "memory_headroom",
-        "memory_limit",
+        "memory_limit", "warmup_timeout_s",
     }
 )  # fmt: skip
 
@@ -58,14 +59,16 @@ def describe(runtime: Runtime, slot: ModelSlot | None = None) -> str:
         f"model        {slot.name} ({info.task}) on {info.device}, {info.dtype}",
         f"parameters   {info.num_parameters:,} ({_mib(info.shape.parameter_bytes)})",
         f"max input    {info.max_input_tokens} tokens",
+        f"warm-up      {_warm_up(slot)}",
         f"outputs      {outputs(info)}",
         *(f"  prompt {name!r}: {text!r}" for name, text in info.prompts.items()),
         "",
-        "activation peak model: alpha x n x L + beta x n x L^2 (n items padded to L tokens)",
-        f"  prior from config   alpha {sizer.prior.alpha:,.0f} B/token   "
-        f"beta {sizer.prior.beta:,.1f} B/token/L",
-        f"  after calibration   alpha {sizer.model.alpha:,.0f} B/token   "
-        f"beta {sizer.model.beta:,.1f} B/token/L   (x{sizer.config.safety_factor} safety)",
+        "activation peak model: alpha x n x L + beta x n x L^2 (n items padded to L tokens;",
+        "  one input alone has its own line: no padding, so no attention mask under sdpa)",
+        f"  prior from config   {_line(sizer.prior, 2)}   alone {_line(sizer.prior, 1)}",
+        f"  after calibration   {_line(sizer.model, 2)}   alone {_line(sizer.model, 1)}"
+        f"   (x{sizer.config.safety_factor} safety)",
+        f"  architecture        {_architecture(info)}",
         "",
         f"memory limit {reading.limit.describe() if reading and reading.limit else 'n/a'}",
         f"memory now   free {_mib(free)} ({', '.join(reading.sources) if reading else 'no probe'})"
@@ -75,11 +78,46 @@ def describe(runtime: Runtime, slot: ModelSlot | None = None) -> str:
         f"{budget.max_tokens} padded tokens",
         "",
     ]
-    lengths = sorted({min(info.max_input_tokens, n) for n in (16, 32, 64, 128, 256, 512)})
+    shown = (16, 32, 64, 128, 256, 512, 2048, 8192, 32768, 131072)
+    lengths = sorted({min(info.max_input_tokens, n) for n in shown})
+    proven = slot.report.proven_length if slot.report else None
     lines.append(f"{'length':>8} {'x1':>11} {'x8':>11} {'x32':>11} {'items in budget':>16}")
     for length in lengths:
+        beyond = "  (beyond the proven length: predicted)" if proven and length > proven else ""
         lines.append(
             f"{length:>8} {_mib(sizer.predict(1, length)):>11} {_mib(sizer.predict(8, length)):>11}"
-            f" {_mib(sizer.predict(32, length)):>11} {largest_batch(budget, length):>16}"
+            f" {_mib(sizer.predict(32, length)):>11} {largest_batch(budget, length):>16}{beyond}"
         )
     return "\n".join(lines)
+
+
+def _line(model: PeakModel, num_items: int) -> str:
+    alpha, beta = model.line(num_items)
+    return f"alpha {alpha:,.0f} B/token   beta {beta:,.1f} B/token/L"
+
+
+def _architecture(info: ModelInfo) -> str:
+    shape = info.shape
+    heads = f"{shape.num_heads} heads"
+    if shape.num_kv_heads and shape.num_kv_heads != shape.num_heads:
+        heads += f" ({shape.num_kv_heads} key/value)"
+    parts = [
+        f"{shape.architecture}, hidden {shape.hidden_size}, {heads} of {shape.head_dim}",
+        f"{shape.attention} attention",
+    ]
+    if shape.sliding_window:
+        parts.append(f"sliding window {shape.sliding_window}")
+    if shape.gated_mlp:
+        parts.append("gated feed-forward")
+    return ", ".join(parts)
+
+
+def _warm_up(slot: ModelSlot) -> str:
+    report = slot.report
+    if report is None:
+        return "not run"
+    text = f"{report.describe()} ({report.elapsed_s:.1f}s"
+    text += f" of a {report.bound_s:.0f}s bound)" if report.bound_s is not None else ")"
+    if report.stopped:
+        text += f"; stopped: {report.stopped}"
+    return text

@@ -29,8 +29,17 @@ from batching import (
     probes_for_device,
     release_host_memory,
 )
-from models import BatchProfiler, DeviceError, Item, Model, ModelOutOfMemory, load_model
+from models import (
+    BatchProfiler,
+    DeviceError,
+    Item,
+    Model,
+    ModelOutOfMemory,
+    load_model,
+    truncate_dimensions,
+)
 
+from ..cache import InputCache, default_cache_bytes, host_memory_bytes, stored_value
 from ..errors import ApiError, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
@@ -91,6 +100,11 @@ class Runtime:
             max_items_per_model=settings.max_items_per_model(len(self._slots)),
         )
         self.work = WorkTracker(registry, clock=self.clock)
+        self.inputs = InputCache(
+            registry, max_bytes=int(settings.cache_bytes or 0),
+            deduplicate=settings.deduplicate, queue=self.queue,
+        )  # fmt: skip
+        """Outputs per input and the computations in flight (``server/cache/``)."""
         self.draining = False
         self._aborted = False
         self.batcher_error: BaseException | None = None
@@ -107,6 +121,9 @@ class Runtime:
         self._task: asyncio.Task[None] | None = None
         self._release_task: asyncio.Task[None] | None = None
         self._started = False
+        self.phase = "starting"
+        """Where start-up is, as the log says it if the replica is stopped there."""
+        self._warming: ModelSlot | None = None
 
     @property
     def model(self) -> Model | None:
@@ -159,7 +176,9 @@ class Runtime:
         started = time.perf_counter()
         threads = thread_count(self.settings.num_threads)
         for slot in self._slots:
+            self.phase = f"loading model {slot.given_name or slot.spec.model}"
             await self._load(slot, threads.num_threads)
+        self.phase = "starting the model thread"
         self.slots = by_name(self._slots)
         info = self._slots[0].info  # every model shares the device
         if info.device == "cpu":
@@ -181,6 +200,7 @@ class Runtime:
         if self.settings.memory_limit is not None and info.device == "cpu":
             self._limit_host_memory(self.settings.memory_limit)
         self._log_memory_limit()
+        self._bound_cache(info.device == "cpu")
         self.batcher = Batcher(
             queue=self.queue,
             lanes=[slot.lane(self.profiler) for slot in self._slots],
@@ -193,12 +213,18 @@ class Runtime:
             probe=self.probe,
             memory_metrics=self.memory_metrics,
         )
-        log.info("warming up: the largest batches the memory budget allows")
+        log.info("warming up: the largest batches the memory budget and the time bound allow")
         for slot in self._slots:
             if len(self._slots) > 1:
                 log.info("warming up model %s", slot.name)
-            await slot.warm_up(self.batcher)
+            self.phase = f"warming up model {slot.name}"
+            self._warming = slot
+            report = await slot.warm_up(self.batcher)
+            self._warming = None
+            if report.proven_length is not None:
+                self.memory_metrics.for_model(slot.name).proven_length.set(report.proven_length)
         self.batcher.record_ceilings()
+        self.phase = "starting the batcher"
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
         if self.settings.memory_release_idle_s > 0:
@@ -209,8 +235,39 @@ class Runtime:
         if self._on_ready is not None:
             self._on_ready()  # before readiness: nothing is in flight yet
         self._started = True
+        self.phase = "ready"
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
+
+    def _bound_cache(self, on_host: bool) -> None:
+        """The output cache's bound: ``--cache-bytes``, else a share of the host memory the
+        replica may use. Its entries are resident host memory, which the host probe reads
+        (resident set, cgroup usage, MemAvailable), so on a CPU host every batch's budget
+        is sized with them already counted; on a GPU they take host memory, not the
+        device's."""
+        given = self.settings.cache_bytes
+        max_bytes = int(given) if given is not None else default_cache_bytes(
+            host_memory_bytes(self.settings.memory_limit, on_host=on_host)
+        )  # fmt: skip
+        self.inputs.set_max_bytes(max_bytes)
+        for slot in self._slots:
+            self.inputs.add_model(slot.name)
+        if not max_bytes:
+            dedup = "" if self.settings.deduplicate else "; no deduplication"
+            log.info("output cache: off%s", dedup)
+            return
+        reading = self.probe.read() if self.probe is not None and on_host else None
+        free = reading.free_bytes if reading is not None else None
+        log.info(
+            "output cache: up to %d MiB%s, counted in the memory the batch budget reads",
+            max_bytes >> 20, f" (with {free >> 20} MiB free now)" if free is not None else "",
+        )  # fmt: skip
+        if free is not None and max_bytes > free // 2:
+            log.warning(
+                "the output cache may hold %d MiB, more than half of the %d MiB free now: "
+                "batches will shrink as it fills (--cache-bytes lowers it)",
+                max_bytes >> 20, free >> 20,
+            )  # fmt: skip
 
     async def _load(self, slot: ModelSlot, num_threads: int) -> None:
         started = time.perf_counter()
@@ -340,8 +397,27 @@ class Runtime:
         self._aborted = True
         return self.work.fail_open(ShuttingDown("the server stopped before this input ran"))
 
+    def where(self) -> str:
+        """Where start-up is now: ``warming up model m (a batch of 1 x 8192 tokens running)``."""
+        slot = self._warming
+        step = slot.step if slot is not None else None
+        if step is None:
+            return self.phase
+        return f"{self.phase} (a batch of {step.num_items} x {step.length} tokens running)"
+
     async def stop(self) -> None:
         self.metrics.ready.set(0)
+        if not self._started and self.startup_error is None:
+            # NOTE: a load or a forward pass in progress on the model thread cannot be
+            # interrupted, and may take minutes: the replica stops without waiting for it
+            # (the command line then exits the process; see server/cli.py).
+            busy = self.model_thread.busy
+            log.warning(
+                "stopped while %s%s", self.where(),
+                "; not waiting for the model thread" if busy else "",
+            )  # fmt: skip
+            if busy:
+                self._aborted = True
         if self._release_task is not None:
             self._release_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -375,14 +451,19 @@ class Runtime:
         query: str | None = None,
         trace: RequestTrace | None = None,
         prompt: str | None = None,
+        truncation_direction: str | None = None,
         client: ClientWatch | None = None,
+        dimensions: int | None = None,
     ) -> tuple[list[Any], int]:
         """Queue every input as one item of ``model`` (None: the default) and wait for all of
         them; return outputs and tokens. With ``query``, each input is a document paired with
-        it (reranking). ``prompt`` goes in front of each input (of the query, for pairs).
-        ``trace``, if given, is filled in with what the request went through. ``client`` tells
-        when the client has gone: its items then leave the queue and this raises
-        ``ClientDisconnected``."""
+        it (reranking). ``prompt`` goes in front of each input (of the query, for pairs);
+        ``truncation_direction`` (None: the model's own) is the end over-long inputs are cut
+        from. ``trace``, if given, is filled in with what the request went through. ``client``
+        tells when the client has gone: its items then leave the queue and this raises
+        ``ClientDisconnected``. ``dimensions`` cuts each embedding to its first values
+        (renormalised when the model normalises). Inputs found in the output cache are
+        answered from it, and an input equal to one in flight waits for that one."""
         if self.draining:
             raise draining()
         if not self.ready:
@@ -393,15 +474,21 @@ class Runtime:
                 slot, inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
                 priority=priority, query=query, prompt=prompt,
                 trace=trace if trace is not None else RequestTrace(), client=client,
+                truncation_direction=truncation_direction,
+                dimensions=dimensions,
             )  # fmt: skip
 
     async def _infer(
         self, slot: ModelSlot, inputs: Sequence[str], *, truncate: bool, timeout_s: float,
         request_id: str, priority: int, query: str | None, trace: RequestTrace,
         client: ClientWatch | None, prompt: str | None = None,
+        truncation_direction: str | None = None, dimensions: int | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         assert slot.model is not None
-        prepare = prepare_call(slot.model, inputs, truncate=truncate, query=query, prompt=prompt)
+        prepare = prepare_call(
+            slot.model, inputs, truncate=truncate, query=query, prompt=prompt,
+            truncation_direction=truncation_direction,
+        )  # fmt: skip
         chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
         chars += len(prompt or "") * len(inputs)
         if chars > slot.inline_tokenize_chars:
@@ -410,7 +497,7 @@ class Runtime:
             items = prepare()
         return await self._queue_and_wait(
             slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
-            trace=trace, client=client,
+            trace=trace, client=client, dimensions=dimensions,
         )  # fmt: skip
 
     async def infer_items(
@@ -423,9 +510,11 @@ class Runtime:
         model: str | None = None,
         trace: RequestTrace | None = None,
         client: ClientWatch | None = None,
+        dimensions: int | None = None,
     ) -> tuple[list[Any], int]:
         """As ``infer``, for inputs already prepared (tokenized) elsewhere: the API processes
-        in front of this engine (``server/engine/``)."""
+        in front of this engine (``server/engine/``). The output cache and the sharing of
+        computations in flight apply as in ``infer``: they live here, with the queue."""
         if self.draining:
             raise draining()
         if not self.ready:
@@ -435,50 +524,74 @@ class Runtime:
             return await self._queue_and_wait(
                 slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
                 trace=trace if trace is not None else RequestTrace(), client=client,
+                dimensions=dimensions,
             )  # fmt: skip
 
     async def _queue_and_wait(
         self, slot: ModelSlot, items: Sequence[Item], *, timeout_s: float, request_id: str,
         priority: int, trace: RequestTrace, client: ClientWatch | None,
+        dimensions: int | None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         loop = asyncio.get_running_loop()
         trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
         now = self.clock.now()
         deadline = now + timeout_s
-        pendings = [
-            Pending(
-                item=item,
-                future=loop.create_future(),
-                arrival_s=now,
-                deadline_s=deadline,
-                priority=priority,
-                request_id=request_id,
-                index=index,
-                model=slot.name,
-            )
-            for index, item in enumerate(items)
-        ]
-        self.queue.put_many(pendings)
-        self.work.track(pendings)
-        self.batching_metrics.queue_depth.set(len(self.queue))
+        name = slot.name
+
+        def make_pending(item: Any, index: int) -> Pending:
+            return Pending(
+                item=item, future=loop.create_future(), arrival_s=now, deadline_s=deadline,
+                priority=priority, request_id=request_id, index=index, model=name,
+            )  # fmt: skip
+
+        info = slot.info
+        cut = dimensions if dimensions is not None and dimensions != info.output_dim else None
+        admission = self.inputs.admit(
+            loop, name, items, dimensions=cut, priority=priority, deadline_s=deadline,
+            make_pending=make_pending, finish=_finisher(cut, bool(info.normalize)),
+        )  # fmt: skip
+        trace.cache_hits = admission.hits
+        if admission.queued:
+            try:
+                self.queue.put_many(admission.queued)
+            except BaseException:
+                self.inputs.release(admission)
+                raise
+            self.work.track(admission.queued)
+            self.batching_metrics.queue_depth.set(len(self.queue))
+        futures = admission.futures
+        if admission.hits == len(futures):
+            return [future.result() for future in futures], trace.tokens
         wait = RequestWait(
-            loop, pendings, timeout_s=timeout_s, client=client,
+            loop, futures, timeout_s=timeout_s, client=client,
             deadline_error=ApiError(
                 504, "deadline_exceeded", f"no answer within the deadline of {timeout_s:g}s"
             ),
         )  # fmt: skip
+        disconnected = False
         try:
             await wait.future
         except ClientDisconnected:
-            # Its waiting items leave the queue now and never run.
-            self.batching_metrics.cancelled.labels("queued").inc(self.queue.discard(pendings))
+            disconnected = True
             raise
         finally:
             wait.close()
-            for pending in pendings:
-                if not pending.future.done():
-                    pending.future.cancel()
-            self.queue.discard(pendings)
+            trace.record(admission.pendings)
+            # Computations no other request waits for leave the queue and never run.
+            left = self.queue.discard(self.inputs.release(admission))
+            if disconnected:
+                self.batching_metrics.cancelled.labels("queued").inc(left)
             self.batching_metrics.queue_depth.set(len(self.queue))
-            trace.record(pendings)
-        return [pending.future.result() for pending in pendings], trace.tokens
+        return [future.result() for future in futures], trace.tokens
+
+
+def _finisher(dimensions: int | None, normalize: bool) -> Callable[[Any], Any]:
+    """What a computed output becomes before it is stored and answered: its own copy
+    (read-only), cut to ``dimensions`` first when given."""
+    if dimensions is None:
+        return stored_value
+
+    def cut(output: Any) -> Any:
+        return stored_value(truncate_dimensions(output, dimensions, normalize))
+
+    return cut

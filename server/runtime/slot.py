@@ -16,16 +16,19 @@ from typing import Any
 from batching import (
     AdaptiveSizer,
     Batcher,
+    CalibrationStep,
     FixedSizer,
     Lane,
     MemoryProbe,
     Sizer,
     WarmUp,
-    prior_peak_model,
+    WarmUpReport,
+    prior_for,
     tune_host_allocator,
 )
 from models import BatchProfiler, Model, ModelInfo, ModelOutOfMemory, ModelSpec
 
+from ..errors import ApiError
 from ..settings import Settings
 
 log = logging.getLogger("batchfit")
@@ -50,6 +53,10 @@ class ModelSlot:
         self.model = model
         self.sizer = sizer  # built from the model's shape once it is loaded, unless given
         self.probe: MemoryProbe | None = None  # the replica's, shared by every slot
+        self.report: WarmUpReport | None = None
+        """What warm-up proved; None until it has run."""
+        self.step: CalibrationStep | None = None
+        """The warm-up batch running now, if any (said when stopped mid-way)."""
         self.inline_tokenize_chars: float = 0.0
         """Requests with at most this much text are tokenized on the event loop; measured
         at start-up (``runtime/tokenize.py``)."""
@@ -86,38 +93,58 @@ class ModelSlot:
             "prompts": dict(info.prompts),
             "default_prompt_name": info.default_prompt_name,
             "activation": info.activation,
+            "truncation_direction": info.truncation_side,
         }
 
-    async def warm_up(self, batcher: Batcher) -> None:
-        """Run the largest batches the sizer would plan (short and longest inputs), lowering
-        the ceiling after each OOM until they pass, so the server never says ready with a
-        budget it cannot run. The adaptive sizer calibrates its memory model on them."""
+    async def warm_up(self, batcher: Batcher) -> WarmUpReport:
+        """Run calibration batches within the memory budget and the time bound (``WarmUp``),
+        lowering the ceiling after each OOM, so the server never says ready with a budget it
+        cannot run. The adaptive sizer calibrates its memory model on them; the report says
+        the longest length proven."""
         assert self.model is not None and self.sizer is not None
         on_host = self.model.info.device == "cpu"
         if on_host:
             tune_host_allocator(measuring=True)
         try:
-            await self._calibrate(batcher)
+            self.report = await self._calibrate(batcher)
         finally:
             if on_host:
                 tune_host_allocator(measuring=False)
+        log.info(
+            "warm-up of %s: %s in %.1fs%s%s", self.name, self.report.describe(),
+            self.report.elapsed_s,
+            f" (bound {self.report.bound_s:.0f}s)" if self.report.bound_s is not None else "",
+            f"; stopped: {self.report.stopped}" if self.report.stopped else "",
+        )  # fmt: skip
+        return self.report
 
-    async def _calibrate(self, batcher: Batcher) -> None:
+    async def _calibrate(self, batcher: Batcher) -> WarmUpReport:
         assert self.model is not None and self.sizer is not None
+        clock = batcher.clock
+        started = clock.now()
         warm_up = WarmUp(
             self.sizer,
             max_input_tokens=self.model.info.max_input_tokens,
             max_items=self.settings.max_batch_size,
+            timeout_s=self.settings.warmup_timeout_s,
         )
-        while (batch := warm_up.next_batch(self.probe.read() if self.probe else None)) is not None:
-            items = self.model.synthetic_items(*batch)
+        while (
+            step := warm_up.next_batch(
+                self.probe.read() if self.probe else None, elapsed_s=clock.now() - started
+            )
+        ) is not None:
+            # NOTE: left set if warm-up is cancelled here: the log says where it stopped.
+            self.step = step
+            items = self.model.synthetic_items(step.num_items, step.length)
             try:
                 outcome = await batcher.run_calibration(items, self.name)
             except ModelOutOfMemory:
+                self.step = None
                 warm_up.out_of_memory()
                 continue
+            self.step = None
             warm_up.ran(outcome)
-        warm_up.finish()
+        return warm_up.finish(clock.now() - started)
 
 
 def make_slots(
@@ -154,28 +181,33 @@ def by_name(slots: Sequence[ModelSlot]) -> dict[str, ModelSlot]:
 def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
     if settings.sizer == "fixed":
         return FixedSizer(settings.max_batch_size, settings.max_batch_tokens)
-    shape = info.shape
-    prior = prior_peak_model(
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_heads=shape.num_heads,
-        element_bytes=shape.element_bytes,
-    )
-    return AdaptiveSizer(prior, settings.adaptive_config())
+    return AdaptiveSizer(prior_for(info.shape), settings.adaptive_config())
 
 
 def prepare_call(
-    model: Model, inputs: Sequence[str], *, truncate: bool, query: str | None, prompt: str | None
-) -> Callable[[], list[Any]]:
+    model: Model, inputs: Sequence[str], *, truncate: bool, query: str | None, prompt: str | None,
+    truncation_direction: str | None = None,
+) -> Callable[[], list[Any]]:  # fmt: skip
     """The tokenization of a request's inputs, to run inline or off the event loop. A model
-    whose ``prepare`` takes no ``prompt`` gets the prompt already in front of each text."""
+    whose ``prepare`` takes no ``prompt`` gets the prompt already in front of each text; one
+    that takes no ``truncation_direction`` cannot be asked for one (400)."""
+    prepare = model.prepare_pairs if query is not None else model.prepare  # type: ignore[attr-defined]
+    parameters = inspect.signature(prepare).parameters
+    options: dict[str, Any] = {"truncate": truncate}
+    if truncation_direction is not None:
+        if "truncation_direction" not in parameters:
+            raise ApiError(
+                400, "unsupported_parameter",
+                f"model {model.info.name!r} cannot truncate from a chosen side; leave "
+                "truncation_direction out",
+            )  # fmt: skip
+        options["truncation_direction"] = truncation_direction
     if query is not None:
-        pairs = model.prepare_pairs  # type: ignore[attr-defined]
-        if prompt and "prompt" in inspect.signature(pairs).parameters:
-            return functools.partial(pairs, query, inputs, truncate=truncate, prompt=prompt)
+        if prompt and "prompt" in parameters:
+            return functools.partial(prepare, query, inputs, prompt=prompt, **options)
         query = prompt + query if prompt else query
-        return functools.partial(pairs, query, inputs, truncate=truncate)
-    if prompt and "prompt" in inspect.signature(model.prepare).parameters:
-        return functools.partial(model.prepare, inputs, truncate=truncate, prompt=prompt)
+        return functools.partial(prepare, query, inputs, **options)
+    if prompt and "prompt" in parameters:
+        return functools.partial(prepare, inputs, prompt=prompt, **options)
     texts = [prompt + text for text in inputs] if prompt else inputs
-    return functools.partial(model.prepare, texts, truncate=truncate)
+    return functools.partial(prepare, texts, **options)

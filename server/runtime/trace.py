@@ -14,6 +14,8 @@ class RequestTrace:
     tokens: int = 0
     queue_wait_s: float | None = None
     """From admission until the last of its inputs started running."""
+    cache_hits: int = 0
+    """Inputs answered from the output cache."""
     batch_sizes: list[int] = field(default_factory=list)
     """Items in each forward pass that answered one of its inputs, in order."""
 

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from batching import InferenceFailed, Pending
+from batching import InferenceFailed
 
 
 class ClientDisconnected(Exception):
@@ -28,24 +28,25 @@ class ClientWatch(Protocol):
 
 
 class RequestWait:
-    """Settles ``future`` when every one of ``pendings`` has its result, or with the first
-    item's error, ``deadline_error`` after ``timeout_s``, or ``ClientDisconnected``."""
+    """Settles ``future`` when every one of ``futures`` (one per input) has its result, or
+    with the first input's error, ``deadline_error`` after ``timeout_s``, or
+    ``ClientDisconnected``."""
 
     __slots__ = ("_remaining", "_timer", "_unsubscribe", "future")
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        pendings: Sequence[Pending],
+        futures: Sequence[asyncio.Future[Any]],
         *,
         timeout_s: float,
         deadline_error: Exception,
         client: ClientWatch | None = None,
     ) -> None:
         self.future: asyncio.Future[None] = loop.create_future()
-        self._remaining = len(pendings)
-        for pending in pendings:
-            pending.future.add_done_callback(self._item_done)
+        self._remaining = len(futures)
+        for future in futures:
+            future.add_done_callback(self._item_done)
         self._timer = loop.call_later(timeout_s, self._settle, deadline_error)
         self._unsubscribe = (
             client.subscribe(lambda: self._settle(ClientDisconnected()))

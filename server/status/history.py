@@ -24,6 +24,9 @@ _COUNTERS = {
     "batch_items": ("batchfit_batch_size_sum", None),
     "batch_tokens": ("batchfit_batch_tokens_sum", None),
     "oom_splits": ("batchfit_oom_events_total", ("outcome", "split")),
+    "cache_hits": ("batchfit_cache_hits_total", None),
+    "cache_misses": ("batchfit_cache_misses_total", None),
+    "cache_bytes": ("batchfit_cache_bytes", None),  # a gauge, summed over the models
 }
 # Memory gauges, read as they are at the sample; null until the first batch has run (and a
 # budget of 0 is no byte budget at all: the fixed sizer).
@@ -35,7 +38,8 @@ _GAUGES = {
 }
 SAMPLE_FIELDS = (
     "t", "requests_per_s", "errors_per_s", "latency_p50_ms", "latency_p99_ms", "queue_depth",
-    "batches", "batch_size", "padded_tokens", *_GAUGES, "oom_splits_total",
+    "batches", "batch_size", "padded_tokens", *_GAUGES, "oom_splits_total", "cache_hit_rate",
+    "cache_bytes",
 )  # fmt: skip
 
 
@@ -121,6 +125,8 @@ class StatusHistory:
             "padded_tokens": round(delta["batch_tokens"] / batches, 1) if batches else None,
             **_gauges(counts),
             "oom_splits_total": int(counts.get("oom_splits", 0)),
+            "cache_hit_rate": _hit_rate(counts),
+            "cache_bytes": int(counts.get("cache_bytes", 0)),
         }
         self.samples.append(sample)
         self._requests = self._errors = 0
@@ -151,6 +157,12 @@ def _gauges(counts: dict[str, float]) -> dict[str, int | None]:
     gauges = {key: int(counts.get(key, 0)) for key in _GAUGES}
     gauges["budget_bytes"] = gauges["budget_bytes"] or None
     return gauges
+
+
+def _hit_rate(counts: dict[str, float]) -> float | None:
+    """Of every input looked up in the output cache since start, the share found there."""
+    hits, misses = counts.get("cache_hits", 0.0), counts.get("cache_misses", 0.0)
+    return round(hits / (hits + misses), 4) if hits + misses else None
 
 
 def _ms(seconds: float | None) -> float | None:

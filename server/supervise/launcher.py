@@ -279,6 +279,8 @@ class Launcher:
             rate_limit_rps=self.settings.rate_limit_rps,
             rate_limit_burst=self.settings.rate_limit_burst,
             prefix=prefix,
+            cache_bytes=int(self.settings.nginx_cache_bytes),
+            cache_valid_s=self.settings.nginx_cache_valid_s,
         )
         conf = prepare_prefix(prefix, render(config))
         try:

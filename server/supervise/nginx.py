@@ -50,6 +50,12 @@ class NginxConfig:
     prefix: Path | None = None
     max_fails: int = 2
     fail_timeout_s: int = 5
+    cache_bytes: int = 0
+    """Most bytes of whole answers Nginx keeps for the embedding routes (0: no cache)."""
+    cache_valid_s: int = 60
+    cache_body_bytes: int = 131072
+    """Request bodies up to this size are read into memory and can be cached; larger ones
+    always go to a replica."""
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -73,6 +79,7 @@ def render(config: NginxConfig, template: str | None = None) -> str:
         "upstream_keepalive_s": str(UPSTREAM_KEEP_ALIVE_S),
         "api_location_regex": nginx_location_regex(),
         **_path_directives(config.prefix),
+        **_cache_directives(config),
     }
     unknown = set(_PLACEHOLDER.findall(template)) - values.keys()
     if unknown:
@@ -103,6 +110,48 @@ def _path_directives(prefix: Path | None) -> dict[str, str]:
         "http_directives": temp,
         "access_log": f"{prefix}/logs/access.log",
     }
+
+
+CACHED_ROUTES = ("/v1/embeddings", "/v1/infer")
+"""Answered by the embedding models: the same body always gets the same answer."""
+CACHE_KEY = "$request_method|$request_uri|$http_authorization|$content_type|$request_body"
+
+
+def _cache_directives(config: NginxConfig) -> dict[str, str]:
+    """The answer cache, or nothing at all when it is off."""
+    if not config.cache_bytes:
+        return {"cache_http": "", "cache_locations": ""}
+    path = f"{config.prefix}/cache" if config.prefix is not None else "/var/cache/nginx/batchfit"
+    http = f"""    # The answer cache for the embedding routes (off unless asked). The key holds the
+    # request's body and its Authorization header, so a different body or another API key
+    # is another entry. A body larger than client_body_buffer_size is kept in a file, where
+    # $request_body is empty: such requests always go to a replica, never into the cache.
+    proxy_cache_path {path} levels=1:2 keys_zone=batchfit_cache:10m
+                     max_size={config.cache_bytes} inactive={config.cache_valid_s}s
+                     use_temp_path=off;
+    map $request_body $batchfit_no_cache {{
+        "" 1;
+        default 0;
+    }}
+"""
+    routes = "|".join(re.escape(route) for route in CACHED_ROUTES)
+    locations = f"""        # Whole answers of the embedding routes, cached (POST included) for
+        # {config.cache_valid_s}s; X-Cache-Status says HIT, MISS or BYPASS.
+        location ~ ^({routes})$ {{
+            client_body_buffer_size {config.cache_body_bytes};
+            proxy_cache batchfit_cache;
+            proxy_cache_methods POST;
+            proxy_cache_key "{CACHE_KEY}";
+            proxy_cache_valid 200 {config.cache_valid_s}s;
+            proxy_cache_bypass $batchfit_no_cache;
+            proxy_no_cache $batchfit_no_cache;
+            proxy_cache_lock on;
+            proxy_cache_lock_timeout 5s;
+            add_header X-Cache-Status $upstream_cache_status always;
+            proxy_pass http://batchfit_replicas;
+        }}
+"""
+    return {"cache_http": http, "cache_locations": locations}
 
 
 def compose_config() -> NginxConfig:

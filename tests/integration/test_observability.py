@@ -112,7 +112,9 @@ async def drive_traffic(replica) -> dict[int, int]:
             assert (response.status_code, response.json()["error_type"]) == (status, error_type)
     full = await asyncio.to_thread(
         when_queue_full, replica.url, QUEUE_ITEMS,
-        lambda: httpx.post(f"{replica.url}/v1/infer", json={"inputs": ["x"] * QUEUE_ITEMS}),
+        lambda: httpx.post(
+            f"{replica.url}/v1/infer", json={"inputs": [f"x {i}" for i in range(QUEUE_ITEMS)]}
+        ),
         lambda r: r.status_code, metrics_url=f"{replica.metrics_url}/metrics",
     )  # fmt: skip
     assert full.json()["error_type"] == "overloaded"

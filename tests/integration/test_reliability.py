@@ -149,8 +149,8 @@ def test_health_live_answers_while_the_model_is_busy(keyed_server):
     url = keyed_server.url
     with ThreadPoolExecutor(1) as pool:
         busy = pool.submit(
-            httpx.post, f"{url}/v1/infer", json={"inputs": [TEXT] * 64}, headers=AUTH,
-            timeout=300,
+            httpx.post, f"{url}/v1/infer", headers=AUTH, timeout=300,
+            json={"inputs": [f"{i} {TEXT}" for i in range(64)]},
         )  # fmt: skip
         poll(lambda: gauge(url, "batchfit_open_items") > 0)
         live = httpx.get(f"{url}/health/live", timeout=2)

@@ -168,9 +168,8 @@ def test_error_cases(server, body, status, error_type):
 
 def test_a_full_queue_is_429_with_retry_after(server):
     def send():
-        return httpx.post(
-            f"{server.url}/v1/infer", json={"inputs": ["a"] * QUEUE_ITEMS}, timeout=30
-        )
+        inputs = [f"a {i}" for i in range(QUEUE_ITEMS)]
+        return httpx.post(f"{server.url}/v1/infer", json={"inputs": inputs}, timeout=30)
 
     response = when_queue_full(server.url, QUEUE_ITEMS, send, lambda r: r.status_code)
     payload = response.json()
@@ -206,7 +205,7 @@ def test_models_and_metrics_endpoints(server):
         "name": BUNDLED_MODEL, "task": "embed", "device": "cpu", "dtype": "float32",
         "max_input_tokens": 256, "output_dim": 384, "architecture": "encoder",
         "pooling": "mean", "normalize": True, "prompts": {}, "default_prompt_name": None,
-        "activation": None,
+        "activation": None, "truncation_direction": "right",
     }  # fmt: skip
     scrape = httpx.get(f"{server.url}/metrics").text
     for name in ("batchfit_requests_total", "batchfit_request_duration_seconds_bucket",

@@ -24,7 +24,7 @@ SECRET = "a private sentence that must never reach a log"
 TEXTS = [SECRET, "short", "a somewhat longer input with more tokens in it to pad", "two words"]
 MiB = 2**20
 # Where the page's summary numbers sit, and how the page rounds them.
-UNIT_SCALE = {"rate": 1, "ms": 1, "mean": 1, "count": 1, "bytes": 1 / MiB}
+UNIT_SCALE = {"rate": 1, "ms": 1, "mean": 1, "count": 1, "bytes": 1 / MiB, "percent": 100}
 CHART_SERIES_COLOR = (0x1F, 0x77, 0xB4)  # the first series of the requests and memory charts
 
 
@@ -33,7 +33,7 @@ def server(tmp_path_factory):
     require_chromium()  # before the model loads: fail (CI) or skip at once
     with run_server(
         tmp_path_factory.mktemp("status"), "--api-key", KEY, "--access-log",
-        "--status-window-s", "60",
+        "--status-window-s", "60", "--cache-bytes", "64MiB",
     ) as server:  # fmt: skip
         yield server
 
@@ -53,7 +53,9 @@ class Traffic:
             i = offset
             while not self.stop.is_set() and self.sent < self.max_requests:
                 self.sent += 1
-                inputs = TEXTS[: 1 + i % len(TEXTS)]
+                # Repeated texts (cache hits after the first) and one new input, so that
+                # batches keep running too.
+                inputs = [*TEXTS[: 1 + i % len(TEXTS)], f"client {offset} request {i}"]
                 self.statuses.append(
                     client.post(f"{self.url}/v1/infer", json={"inputs": inputs}).status_code
                 )
@@ -172,6 +174,8 @@ def test_status_page_draws_live_data_that_matches_status_json(server, tmp_path):
         shown = float(re.sub(r"[^\d.\-]", "", tile["text"]))
         assert abs(shown - expected * UNIT_SCALE[tile["unit"]]) <= 0.5, tile
     assert sample["memory_free_bytes"] and sample["budget_bytes"] and sample["predicted_peak_bytes"]
+    # The traffic repeats its four texts: after the first, every input is a cache hit.
+    assert 0.5 < sample["cache_hit_rate"] < 1 and sample["cache_bytes"] > 0
     assert screenshot.stat().st_size > 20_000
     if keep:
         Path(keep).write_bytes(screenshot.read_bytes())
@@ -205,8 +209,9 @@ def batch_counts(server) -> tuple[float, float]:
 def test_access_log_has_one_json_line_per_request_and_no_text(server):
     with httpx.Client(timeout=30, headers=AUTH) as client:
         before = batch_counts(server)  # the replica is idle: only this request runs now
+        texts = [f"{text} (once)" for text in TEXTS]  # never sent before: no cache hit
         response = client.post(
-            f"{server.url}/v1/infer", json={"inputs": TEXTS}, headers={"X-Request-ID": "acc-1"}
+            f"{server.url}/v1/infer", json={"inputs": texts}, headers={"X-Request-ID": "acc-1"}
         )
         after = batch_counts(server)
     assert response.status_code == 200
@@ -224,3 +229,4 @@ def test_access_log_has_one_json_line_per_request_and_no_text(server):
     assert len(entry["batch_sizes"]) == after[0] - before[0] >= 1
     assert sum(entry["batch_sizes"]) == after[1] - before[1] == len(TEXTS)
     assert 0 <= entry["queue_wait_s"] <= entry["duration_s"]
+    assert entry["cache_hits"] == 0

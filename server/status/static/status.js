@@ -11,6 +11,7 @@
       case "rate": return value.toFixed(1);
       case "ms": return value.toFixed(1) + " ms";
       case "mean": return value.toFixed(1);
+      case "percent": return (value * 100).toFixed(1) + " %";
       case "bytes":
         return (value / MiB).toLocaleString("en-US", { minimumFractionDigits: 1, maximumFractionDigits: 1 }) + " MiB";
       default: return String(Math.round(value));
