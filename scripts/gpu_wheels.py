@@ -54,7 +54,6 @@ WHEELS = (
     "pydantic-core",
     "pydantic-settings",
     "python-dotenv",
-    "pyzmq",
     "starlette",
     "typing-inspection",
     "uvicorn",

@@ -85,3 +85,27 @@ def test_a_merged_scrape_sums_every_process_and_takes_info_once():
     assert values[("t_latency_seconds_sum", ())] == pytest.approx(2.55)
     assert values[("t_model_info", (("name", "m"),))] == 1
     assert text.count("# TYPE t_requests_total counter") == 1
+
+
+def _stream(messages: list[list[bytes]]) -> bytes:
+    return b"".join(wire.frame(parts) + b"".join(parts) for parts in messages)
+
+
+def test_messages_come_back_whole_however_the_stream_is_cut():
+    messages = [
+        [wire.RESULT, wire.dumps((7, "x")), bytes(range(256)) * 40],
+        [wire.STATE, wire.dumps((True, False, 3))],
+        [wire.CANCEL, b""],  # an empty frame
+    ]
+    stream = _stream(messages)
+    for piece in (1, 3, 7, 4096, len(stream)):
+        unframer = wire.Unframer()
+        got = []
+        for start in range(0, len(stream), piece):
+            got += unframer.feed(stream[start : start + piece])
+        assert got == messages, piece
+
+
+def test_a_message_with_too_many_frames_is_refused():
+    with pytest.raises(ValueError, match="at most 255 frames"):
+        wire.frame([b""] * 256)

@@ -2,7 +2,8 @@
 
 The engine process owns the device, the queue, the batcher, the sizer and the model thread
 (a ``Runtime``); N API processes, its children, accept HTTP on one shared listening socket,
-validate, tokenize and encode answers. They talk over ZeroMQ (``wire.py``).
+validate, tokenize and encode answers. They talk over one Unix socket pair each
+(``link.py``, ``wire.py``).
 """
 
 from .host import serve_engine

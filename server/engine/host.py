@@ -1,7 +1,8 @@
-"""The engine process: one ``Runtime``, its API processes, and the ZeroMQ socket between.
+"""The engine process: one ``Runtime``, its API processes, and the sockets between.
 
 ``serve_engine`` binds the public port, starts the API processes (``worker.py``) on that
-one listening socket, and serves their requests from the runtime until SIGTERM (a drain:
+one listening socket, each with its end of a Unix socket pair to the engine (``link.py``),
+and serves their requests from the runtime until SIGTERM (a drain:
 the API processes answer 503 ``draining``, admitted work finishes, every process exits 0)
 or a fatal error (exit 1). An API process that dies is started again; its queued inputs
 leave the queue as a client's would.
@@ -17,12 +18,8 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-import zmq
-import zmq.asyncio
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from ..disconnect import ConnectionWatch
@@ -31,6 +28,7 @@ from ..heap import freeze_startup_heap
 from ..runtime import ClientDisconnected, RequestTrace, Runtime
 from ..settings import Settings
 from . import wire
+from .link import Link
 from .merge import exposition, merge_families
 
 log = logging.getLogger("batchfit")
@@ -60,7 +58,9 @@ class WorkerProcess:
     def __init__(self, index: int, process: subprocess.Popen[bytes]) -> None:
         self.index = index
         self.process = process
-        self.identity: bytes | None = None
+        self.link: Link | None = None
+        self.greeted = False
+        """Whether it has said hello: from then on it hears the engine's state."""
         self.open: dict[int, ConnectionWatch] = {}
         """Its requests in the engine, by its request number: their watch tells the
         runtime when the request is gone (cancelled, or the process died)."""
@@ -76,7 +76,6 @@ class EngineHost:
             settings, registry=self.registry, on_fatal=self._fatal, on_ready=freeze_startup_heap
         )
         self.workers: dict[int, WorkerProcess] = {}
-        self._by_identity: dict[bytes, WorkerProcess] = {}
         self._stopping = asyncio.Event()
         self._failed = False
         self._collects: dict[int, tuple[asyncio.Future[None], list[Any]]] = {}
@@ -88,34 +87,27 @@ class EngineHost:
 
     async def run(self, listener: socket.socket) -> int:
         loop = asyncio.get_running_loop()
-        self._context = zmq.asyncio.Context()
-        with tempfile.TemporaryDirectory(prefix="batchfit-engine-") as directory:
-            os.chmod(directory, 0o700)
-            self.address = f"ipc://{Path(directory) / 'engine'}"
-            self._router = self._context.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(self.address)
-            self._listener = listener
-            for index in range(self.settings.api_workers):
-                self._spawn(index)
+        self._listener = listener
+        for index in range(self.settings.api_workers):
+            self._spawn(index)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._signal)
+        starting = self._spawn_task(self.runtime.start())
+        ticking = self._spawn_task(self._tick())
+        try:
+            await self._stopping.wait()
+        finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._signal)
-            starting = self._spawn_task(self.runtime.start())
-            receiving = self._spawn_task(self._receive())
-            ticking = self._spawn_task(self._tick())
-            try:
-                await self._stopping.wait()
-            finally:
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    loop.remove_signal_handler(sig)
-                await self._stop_workers()
-                for task in (starting, receiving, ticking):
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                await self.runtime.stop()
-                self._router.close(linger=0)
-                self._context.term()
+                loop.remove_signal_handler(sig)
+            await self._stop_workers()
+            for task in (starting, ticking):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await self.runtime.stop()
+            for worker in self.workers.values():
+                if worker.link is not None:
+                    worker.link.close()
         failed = (
             self._failed
             or self.runtime.startup_error is not None
@@ -131,21 +123,30 @@ class EngineHost:
 
     def _spawn(self, index: int) -> None:
         """Start API process ``index``: its stdin brings its settings and, by closing,
-        tells it the engine is gone."""
+        tells it the engine is gone; its end of a socket pair is its link to us."""
         fd = self._listener.fileno()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "server.engine.worker"],
-            stdin=subprocess.PIPE,
-            pass_fds=(fd,),
-        )
-        assert process.stdin is not None
-        process.stdin.write(wire.dumps((self.settings, self.address, fd, index)))
-        process.stdin.flush()  # kept open: its end is the API process's sign of our life
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with theirs:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "server.engine.worker"],
+                stdin=subprocess.PIPE,
+                pass_fds=(fd, theirs.fileno()),
+            )
+            assert process.stdin is not None
+            process.stdin.write(wire.dumps((self.settings, theirs.fileno(), fd, index)))
+            process.stdin.flush()  # kept open: its end is the API process's sign of our life
         worker = WorkerProcess(index, process)
         self.workers[index] = worker
+        self._spawn_task(self._connect(worker, ours))
         pidfd = os.pidfd_open(process.pid)
         asyncio.get_running_loop().add_reader(pidfd, self._worker_exited, worker, pidfd)
         log.info("API process %d started (pid %d)", index, process.pid)
+
+    async def _connect(self, worker: WorkerProcess, sock: socket.socket) -> None:
+        def received(kind: bytes, header: Any, frames: list[bytes]) -> None:
+            self._handle(worker, kind, header, frames)
+
+        worker.link = await Link.open(sock, received, lambda: None)
 
     def _worker_exited(self, worker: WorkerProcess, pidfd: int) -> None:
         asyncio.get_running_loop().remove_reader(pidfd)
@@ -154,8 +155,9 @@ class EngineHost:
         with contextlib.suppress(OSError):
             assert worker.process.stdin is not None
             worker.process.stdin.close()
-        if worker.identity is not None:
-            self._by_identity.pop(worker.identity, None)
+        worker.greeted = False
+        if worker.link is not None:
+            worker.link.close()
         for watch in list(worker.open.values()):
             watch.connection_lost()  # its queued inputs leave the queue
         if self.workers.get(worker.index) is worker:
@@ -193,8 +195,8 @@ class EngineHost:
         self.runtime.begin_drain()
         self._send_state()
         for worker in list(self.workers.values()):
-            if worker.identity is not None:
-                self._send(worker.identity, wire.STOP, ())
+            if worker.greeted:
+                self._send(worker, wire.STOP, ())
             else:  # still starting: it serves nothing yet
                 worker.process.kill()
         deadline = asyncio.get_running_loop().time() + WORKER_STOP_GRACE_S
@@ -212,22 +214,23 @@ class EngineHost:
 
     # -- messages ------------------------------------------------------------------------
 
-    def _send(self, identity: bytes, kind: bytes, header: Any, *frames: Any) -> None:
-        self._router.send_multipart([identity, kind, wire.dumps(header), *frames], copy=False)
+    def _send(self, worker: WorkerProcess, kind: bytes, header: Any, *frames: Any) -> None:
+        if worker.link is not None:
+            worker.link.send(kind, header, *frames)
 
     def _send_state(self) -> None:
         runtime = self.runtime
         state = (runtime.ready, runtime.draining, len(runtime.queue))
         for worker in self.workers.values():
-            if worker.identity is None:
+            if not worker.greeted or worker.link is None:
                 continue
             if runtime.slots and not worker.models_sent:
                 worker.models_sent = True
                 models = self._models()
                 if models is None:
                     return
-                self._router.send_multipart([worker.identity, wire.MODELS, models])
-            self._send(worker.identity, wire.STATE, state)
+                worker.link.send_parts([wire.MODELS, models])
+            self._send(worker, wire.STATE, state)
 
     def _models(self) -> bytes | None:
         """Each model's name, card, what tokenizes for it and its inline limit, pickled
@@ -250,47 +253,33 @@ class EngineHost:
                 return None
         return self._models_message
 
-    async def _receive(self) -> None:
-        while True:
-            identity, kind, header, *frames = await self._router.recv_multipart(copy=True)
-            try:
-                self._handle(identity, kind, wire.loads(header), frames)
-            except Exception:
-                log.exception("bad message %r from an API process", kind)
-
-    def _handle(self, identity: bytes, kind: bytes, header: Any, frames: list[bytes]) -> None:
-        if kind == wire.HELLO:
-            (index,) = header
-            worker = self.workers.get(index)
-            if worker is not None:
-                worker.identity = identity
-                self._by_identity[identity] = worker
-                self._send_state()
-            return
-        worker = self._by_identity.get(identity)
-        if worker is None:
+    def _handle(self, worker: WorkerProcess, kind: bytes, header: Any, frames: list[bytes]) -> None:
+        if self.workers.get(worker.index) is not worker:
             return  # a process that has exited already
+        if kind == wire.HELLO:
+            worker.greeted = True
+            self._send_state()
+            return
         if kind == wire.INFER:
             number = header[0]
             watch = worker.open[number] = ConnectionWatch()
-            self._spawn_task(self._infer(worker, identity, header, frames[0], watch))
+            self._spawn_task(self._infer(worker, header, frames[0], watch))
         elif kind == wire.CANCEL:
             watch = worker.open.get(header[0])
             if watch is not None:
                 watch.connection_lost()
         elif kind == wire.METRICS:
-            self._spawn_task(self._scrape(identity, header[0]))
+            self._spawn_task(self._scrape(worker, header[0]))
         elif kind == wire.SNAPSHOT:
             number, families = header
             waiting = self._collects.get(number)
             if waiting is not None:
                 waiting[1].append(families)
-                if len(waiting[1]) >= len(self._by_identity) and not waiting[0].done():
+                if len(waiting[1]) >= len(self._greeted()) and not waiting[0].done():
                     waiting[0].set_result(None)
 
     async def _infer(
-        self, worker: WorkerProcess, identity: bytes, header: Any, items_frame: bytes,
-        watch: ConnectionWatch,
+        self, worker: WorkerProcess, header: Any, items_frame: bytes, watch: ConnectionWatch,
     ) -> None:  # fmt: skip
         number, model, timeout_s, priority, request_id, dimensions = header
         trace = RequestTrace()
@@ -304,31 +293,42 @@ class EngineHost:
             answer = (
                 number, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits,
             )  # fmt: skip
-            self._send(identity, wire.RESULT, answer, *frames)
+            self._send(worker, wire.RESULT, answer, *frames)
         except ClientDisconnected:
             pass  # the API process has answered its client already
         except Exception as exc:
             error = to_api_error(exc)
             detail = (number, error.status, error.error_type, error.message, error.retry_after_s)
-            self._send(identity, wire.ERROR, detail)
+            self._send(worker, wire.ERROR, detail)
         finally:
             worker.open.pop(number, None)
 
-    async def _scrape(self, identity: bytes, number: int) -> None:
-        """Merge the engine's series with every API process's; answer ``identity``."""
+    def _greeted(self) -> list[WorkerProcess]:
+        return [worker for worker in self.workers.values() if worker.greeted]
+
+    async def _scrape(self, asker: WorkerProcess, number: int) -> None:
+        """Merge the engine's series with every API process's; answer ``asker``."""
         collect = self._next_collect = self._next_collect + 1
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         snapshots: list[Any] = []
         self._collects[collect] = (done, snapshots)
         try:
-            for other in list(self._by_identity):
+            for other in self._greeted():
                 self._send(other, wire.COLLECT, (collect,))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done, SNAPSHOT_TIMEOUT_S)
         finally:
             del self._collects[collect]
         families = merge_families([list(self.registry.collect()), *snapshots])
-        self._send(identity, wire.EXPOSITION, (number,), exposition(families))
+        self._send(asker, wire.EXPOSITION, (number,), exposition(families))
+
+
+def _loop_factory() -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def serve_engine(settings: Settings) -> int:
@@ -340,7 +340,9 @@ def serve_engine(settings: Settings) -> int:
     )  # fmt: skip
     host = EngineHost(settings)
     try:
-        code = asyncio.run(host.run(listener))
+        # The event loop uvicorn gives a single-process replica, where installed.
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            code = runner.run(host.run(listener))
     finally:
         listener.close()
     if host.runtime.model_thread.busy:

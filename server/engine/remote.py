@@ -14,11 +14,10 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import zmq
-import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from batching import ModelThread
@@ -31,6 +30,7 @@ from ..runtime import ClientDisconnected, ClientWatch, RequestTrace
 from ..runtime.slot import prepare_call
 from ..settings import Settings
 from . import wire
+from .link import Link
 
 log = logging.getLogger("batchfit")
 
@@ -78,7 +78,7 @@ class RemoteRuntime:
         settings: Settings,
         *,
         registry: CollectorRegistry,
-        address: str,
+        link_fd: int,
         index: int,
         stdin_fd: int,
         on_exit: Callable[[int], None],
@@ -92,7 +92,8 @@ class RemoteRuntime:
         self.profiler = None
         self.startup_error: BaseException | None = None
         self.batcher_error: BaseException | None = None
-        self._address = address
+        self._link_fd = link_fd
+        self._link: Link | None = None
         self._index = index
         self._stdin_fd = stdin_fd
         self._on_exit = on_exit
@@ -103,7 +104,6 @@ class RemoteRuntime:
         self._numbers = itertools.count()
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._tokenizer = ModelThread("batchfit-tokenize")
-        self._receiving: asyncio.Task[None] | None = None
         self._heard: asyncio.Event | None = None
 
     @property
@@ -131,14 +131,11 @@ class RemoteRuntime:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(self._address)
         loop.add_reader(self._stdin_fd, self._stdin_readable)
         await self._tokenizer.call(int)
         self._heard = asyncio.Event()
-        self._receiving = asyncio.create_task(self._receive(), name="batchfit-engine-link")
+        sock = socket.socket(fileno=self._link_fd)
+        self._link = await Link.open(sock, self._handle, self._link_lost)
         self._send(wire.HELLO, (self._index,))
 
     async def heard_from_engine(self, timeout_s: float) -> None:
@@ -151,15 +148,12 @@ class RemoteRuntime:
             await asyncio.wait_for(self._heard.wait(), timeout_s)
 
     async def stop(self) -> None:
+        self._stopping = True
         with contextlib.suppress(ValueError, OSError):
             asyncio.get_running_loop().remove_reader(self._stdin_fd)
-        if self._receiving is not None:
-            self._receiving.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._receiving
         self._fail_pending(engine_gone())
-        self._socket.close(linger=0)
-        self._context.term()
+        if self._link is not None:
+            self._link.close()
         self._tokenizer.close(wait=False)
 
     async def drain(self, timeout_s: float) -> bool:
@@ -177,7 +171,13 @@ class RemoteRuntime:
         if data:
             return
         asyncio.get_running_loop().remove_reader(self._stdin_fd)
-        if self._stopping:
+        self._engine_lost()
+
+    def _link_lost(self) -> None:
+        self._engine_lost()
+
+    def _engine_lost(self) -> None:
+        if self._stopping or self.engine_lost:
             return
         log.error("the engine process is gone; failing %d requests and stopping",
                   len(self._pending))  # fmt: skip
@@ -193,15 +193,8 @@ class RemoteRuntime:
     # -- messages ------------------------------------------------------------------------
 
     def _send(self, kind: bytes, header: Any, *frames: Any) -> None:
-        self._socket.send_multipart([kind, wire.dumps(header), *frames], copy=False)
-
-    async def _receive(self) -> None:
-        while True:
-            kind, header, *frames = await self._socket.recv_multipart(copy=True)
-            try:
-                self._handle(kind, wire.loads(header), frames)
-            except Exception:
-                log.exception("bad message %r from the engine", kind)
+        assert self._link is not None
+        self._link.send(kind, header, *frames)
 
     def _handle(self, kind: bytes, header: Any, frames: list[bytes]) -> None:
         if kind == wire.RESULT:

@@ -1,18 +1,22 @@
-"""What the API processes and the engine send each other over ZeroMQ: pure encoding.
+"""What the API processes and the engine send each other over their Unix socket: pure
+encoding.
 
-Every message is one multipart ZeroMQ message: a kind (one short ASCII word), a header (a
-pickled tuple) and, for inputs and outputs, their payload frames. Inputs travel as the
-prepared items (token ids), pickled. Outputs that are equal-shaped float32 vectors, as
-embedders return them, travel as one frame of their raw bytes, read back without a copy;
-anything else (a classifier's labels, a custom model's lists) is pickled.
+Every message is a list of frames: a kind (one short ASCII word), a header (a pickled
+tuple) and, for inputs and outputs, their payload frames. On the socket, a message is its
+length, its number of frames and each frame's length (``frame``), then the frames;
+``Unframer`` cuts a byte stream back into messages, however the reads split it. Inputs
+travel as the prepared items (token ids), pickled. Outputs that are equal-shaped float32
+vectors, as embedders return them, travel as one frame of their raw bytes; anything else (a
+classifier's labels, a custom model's lists) is pickled.
 
 Both ends are processes of one replica, started together from the same code, talking over
-a Unix socket in a directory only the replica's user can open: pickle is safe here.
+a socket pair the engine made for each API process: pickle is safe here.
 """
 
 from __future__ import annotations
 
 import pickle
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +39,50 @@ STOP = b"stop"
 
 PICKLED = "pickle"
 FLOAT32 = "float32"
+
+
+_LENGTH = struct.Struct("<I")
+_PREFIX = struct.Struct("<IB")  # the frames' total length, then their number
+MAX_FRAMES = 255
+
+
+def frame(parts: Sequence[bytes | memoryview]) -> bytes:
+    """The bytes on the socket before ``parts``: lengths only, so the payload is not
+    copied into one buffer here."""
+    if len(parts) > MAX_FRAMES:
+        raise ValueError(f"a message has at most {MAX_FRAMES} frames, not {len(parts)}")
+    sizes = [memoryview(part).nbytes for part in parts]
+    body = 1 + 4 * len(sizes) + sum(sizes)
+    return _PREFIX.pack(body, len(sizes)) + b"".join(_LENGTH.pack(n) for n in sizes)
+
+
+class Unframer:
+    """Messages back out of a byte stream that arrives in pieces of any size."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[list[bytes]]:
+        """Take ``data``; return every message it completes, in order."""
+        buffer = self._buffer
+        buffer += data
+        messages = []
+        start, end = 0, len(buffer)
+        while end - start >= 4:
+            (body,) = _LENGTH.unpack_from(buffer, start)
+            if end - start - 4 < body:
+                break
+            count = buffer[start + 4]
+            sizes = struct.unpack_from(f"<{count}I", buffer, start + 5)
+            offset = start + 5 + 4 * count
+            parts = []
+            for size in sizes:
+                parts.append(bytes(buffer[offset : offset + size]))
+                offset += size
+            messages.append(parts)
+            start = offset
+        del buffer[:start]
+        return messages
 
 
 def dumps(value: Any) -> bytes:

@@ -1,9 +1,10 @@
 """One API process (``python -m server.engine.worker``, started by the engine only).
 
-Its stdin brings the settings, the engine's address, the listening socket's descriptor and
-its index, and stays open: when it closes, the engine is gone. It serves the same app as a
-single-process replica, on the shared socket, with a ``RemoteRuntime`` in place of the
-runtime. Signals are the engine's to handle: the engine tells it when to stop.
+Its stdin brings the settings, its end of the socket pair to the engine, the listening
+socket's descriptor and its index, and stays open: when it closes, the engine is gone. It
+serves the same app as a single-process replica, on the shared socket, with a
+``RemoteRuntime`` in place of the runtime. Signals are the engine's to handle: the engine
+tells it when to stop.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main() -> int:
         signal.signal(sig, signal.SIG_IGN)
     stdin = sys.stdin.buffer
     # NOTE: one pickle and no more: what is left of stdin is read only to see it close.
-    settings, address, fd, index = pickle.load(stdin)
+    settings, link_fd, fd, index = pickle.load(stdin)
     configure_logging(settings.log_level)
     listener = socket.socket(fileno=fd)
     exit_code = 0
@@ -70,7 +71,7 @@ def main() -> int:
 
     registry = CollectorRegistry()
     runtime = RemoteRuntime(
-        settings, registry=registry, address=address, index=index,
+        settings, registry=registry, link_fd=link_fd, index=index,
         stdin_fd=stdin.fileno(), on_exit=on_exit,
     )  # fmt: skip
     app = create_app(settings, runtime=runtime, registry=registry)
