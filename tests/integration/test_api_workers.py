@@ -1,11 +1,14 @@
-"""``--api-workers``: the same replica behaviour with one process and with API processes in
-front of one engine. A file-gated fake model holds batches while a test looks (no timing);
-the bundled model checks the answers and the standard clients through two API processes."""
+"""``--api-workers 2``: API processes in front of one engine behave as one replica. One
+shared replica serves a file-gated fake model (it holds batches while a test looks, no
+timing) and the bundled model (answers against transformers' own forward, the standard
+clients, the output cache shared across the API processes); the drain and the killed engine
+each need their own processes."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -18,8 +21,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 import tritonclient.http as triton
+from transformers import AutoModel, AutoTokenizer
 
+from models.loading import BUNDLED_MODEL, resolve_model_path
 from tests.fakes import GATE_ENV
 from tests.integration.test_server import SENTENCES, reference  # noqa: F401 (a fixture)
 from tests.rawhttp import send_request
@@ -56,6 +62,9 @@ def infer(url: str, body: dict, timeout_s: float = 60) -> httpx.Response:
     return httpx.post(f"{url}/v1/infer", json=body, headers=AUTH, timeout=timeout_s)
 
 
+_holds = itertools.count()
+
+
 def children(pid: int) -> list[int]:
     found = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return sorted(int(child) for child in found)
@@ -69,7 +78,7 @@ class Gated:
     def held(self, pool: ThreadPoolExecutor) -> Iterator[Future]:
         """While inside, the model thread runs a batch that waits for the gate."""
         self.gate.unlink(missing_ok=True)
-        running = pool.submit(infer, self.url, {"inputs": ["hold"]}, 120)
+        running = pool.submit(infer, self.url, {"inputs": [f"hold {next(_holds)}"]}, 120)
         poll(lambda: value(scrape(self.url), "batchfit_open_items") >= 1)
         try:
             yield running
@@ -78,15 +87,21 @@ class Gated:
             assert running.result(120).status_code == 200
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["api-workers-1", "api-workers-2"])
-def gated(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(f"workers{request.param}")
+CACHE_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory):
+    """The shared replica: two API processes, the gated model (the default) and the bundled
+    one, an API key and an output cache."""
+    folder = tmp_path_factory.mktemp("workers")
     keys = folder / "keys"
     keys.write_text(f"{KEY}\n")
     gate = folder / "gate"
     gate.touch()
     with run_server(
-        folder, *GATED, "--api-workers", str(request.param), "--api-key-file", str(keys),
+        folder, *GATED, "--model", BUNDLED_MODEL, "--api-workers", "2",
+        "--api-key-file", str(keys), "--cache-bytes", str(CACHE_BYTES),
         env={GATE_ENV: str(gate)},
     ) as server:  # fmt: skip
         yield Gated(server, gate)
@@ -97,7 +112,8 @@ def test_health_models_status_and_the_api_key(gated):
     assert httpx.get(f"{url}/health/live").status_code == 200
     assert httpx.get(f"{url}/health/ready").status_code == 200
     assert httpx.get(f"{url}/v2/health/ready").status_code == 200
-    assert httpx.get(f"{url}/v1/models", headers=AUTH).json()["models"][0]["name"] == "scripted"
+    names = [m["name"] for m in httpx.get(f"{url}/v1/models", headers=AUTH).json()["models"]]
+    assert names == ["scripted", BUNDLED_MODEL]
     status = httpx.get(f"{url}/status.json", headers=AUTH).json()
     assert status["ready"] is True and status["draining"] is False
     denied = httpx.post(f"{url}/v1/infer", json={"inputs": "a"})
@@ -142,7 +158,8 @@ def test_a_full_queue_is_429_and_a_deadline_504_that_frees_its_place(gated):
         assert late.status_code == 504, late.text
         assert late.json()["error_type"] == "deadline_exceeded"
         poll(lambda: value(scrape(gated.url), "batchfit_queue_depth") == 0)
-        filling = pool.submit(infer, gated.url, {"inputs": ["fill"] * QUEUE_ITEMS})
+        fill = [f"fill {i}" for i in range(QUEUE_ITEMS)]  # distinct: no sharing
+        filling = pool.submit(infer, gated.url, {"inputs": fill})
         poll(lambda: value(scrape(gated.url), "batchfit_queue_depth") == QUEUE_ITEMS)
         refused = infer(gated.url, {"inputs": ["one more"]})
         assert refused.status_code == 429, refused.text
@@ -164,24 +181,19 @@ def test_a_client_gone_takes_its_queued_inputs_out_of_the_engine(gated):
     assert after - before == 3
 
 
-# -- the bundled model through two API processes (one process: tests/integration/test_protocols.py)
+# -- the bundled model through the two API processes
 
 
-@pytest.fixture(scope="module")
-def minilm(tmp_path_factory):
-    with run_server(tmp_path_factory.mktemp("minilm-workers"), "--api-workers", "2") as server:
-        yield server
-
-
-def test_answers_match_the_reference_through_every_protocol(minilm, reference):  # noqa: F811
-    native = httpx.post(f"{minilm.url}/v1/infer", json={"inputs": SENTENCES}, timeout=60)
+def test_answers_match_the_reference_through_every_protocol(gated, reference):  # noqa: F811
+    minilm = gated.server
+    native = infer(minilm.url, {"inputs": SENTENCES, "model": BUNDLED_MODEL})
     assert native.status_code == 200, native.text
     outputs = np.asarray(native.json()["outputs"], dtype=np.float32)
     assert np.allclose(outputs, reference, atol=1e-4)
-    with openai.OpenAI(base_url=f"{minilm.url}/v1", api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(base_url=f"{minilm.url}/v1", api_key=KEY, max_retries=0) as client:
         for encoding_format in ("float", "base64"):
             answer = client.embeddings.create(
-                model="all-MiniLM-L6-v2", input=SENTENCES, encoding_format=encoding_format
+                model=BUNDLED_MODEL, input=SENTENCES, encoding_format=encoding_format
             )
             vectors = np.asarray(
                 [
@@ -195,13 +207,107 @@ def test_answers_match_the_reference_through_every_protocol(minilm, reference): 
             assert np.allclose(vectors, reference, atol=1e-4)
     v2 = triton.InferenceServerClient(f"127.0.0.1:{minilm.port}", network_timeout=60)
     try:
-        assert v2.is_server_ready()
+        assert v2.is_server_ready(headers=dict(AUTH))
         text = triton.InferInput("text", [len(SENTENCES)], "BYTES")
         text.set_data_from_numpy(np.asarray(SENTENCES, dtype=object))
-        result = v2.infer("all-MiniLM-L6-v2", [text])
+        result = v2.infer(BUNDLED_MODEL, [text], headers=dict(AUTH))  # it adds to them
         assert np.allclose(result.as_numpy("embedding"), reference, atol=1e-4)
     finally:
         v2.close()
+
+
+@pytest.fixture(scope="module")
+def embed():
+    """The bundled model's embeddings by transformers' own forward, mean pooling, with the
+    tokenizer cutting over-long texts from ``side``."""
+    path = resolve_model_path(BUNDLED_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).eval()
+
+    def run(texts: list[str], side: str = "right") -> np.ndarray:
+        tokenizer.truncation_side = side
+        encoded = tokenizer(
+            texts, padding=True, truncation=True, max_length=256, return_tensors="pt"
+        )
+        with torch.inference_mode():
+            hidden = model(**encoded).last_hidden_state
+        mask = encoded["attention_mask"].unsqueeze(-1).float()
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, dim=1).numpy()
+
+    return run
+
+
+def minilm_outputs(url: str, **body) -> np.ndarray:
+    answer = infer(url, {"model": BUNDLED_MODEL, **body})
+    assert answer.status_code == 200, answer.text
+    return np.asarray(answer.json()["outputs"], dtype=np.float32)
+
+
+def engine_counts(url: str) -> dict[str, float]:
+    text = scrape(url)
+    labels = f'model="{BUNDLED_MODEL}"'
+    names = ("batchfit_cache_hits_total", "batchfit_cache_misses_total",
+             "batchfit_deduplicated_inputs_total", "batchfit_batch_size_sum")  # fmt: skip
+    return {name: value(text, name, labels) for name in names}
+
+
+def test_dimensions_and_truncation_direction_reach_the_engine(gated, embed):
+    filler = " ".join(f"word{i % 50}" for i in range(400))  # past the 256-token maximum
+    long = f"Rivers and mountains of the north. {filler} Databases index rows by their keys."
+    cut = minilm_outputs(gated.url, inputs=[long], dimensions=128)
+    want = embed([long])[0][:128]
+    assert cut.shape == (1, 128)
+    assert float(np.dot(cut[0], want / np.linalg.norm(want))) > 0.9999  # renormalised
+    left = minilm_outputs(gated.url, inputs=[long], truncation_direction="left")
+    assert float(np.dot(left[0], embed([long], side="left")[0])) > 0.9999
+    right = minilm_outputs(gated.url, inputs=[long])
+    assert float(np.dot(right[0], embed([long])[0])) > 0.9999
+    assert not np.array_equal(left, right)  # each side's own answer
+
+
+def test_the_engine_caches_for_every_api_process_and_shares_inputs_in_flight(gated, embed):
+    texts = [f"Cached once for the whole replica, sentence {i}." for i in range(4)]
+    first = minilm_outputs(gated.url, inputs=texts)
+    before = engine_counts(gated.url)
+    for _ in range(6):  # a connection each: both API processes ask
+        assert np.array_equal(minilm_outputs(gated.url, inputs=texts), first)
+    after = engine_counts(gated.url)
+    assert after["batchfit_cache_hits_total"] - before["batchfit_cache_hits_total"] == 6 * 4
+    assert after["batchfit_batch_size_sum"] == before["batchfit_batch_size_sum"]  # none ran
+    for got, want in zip(first, embed(texts), strict=True):
+        assert float(np.dot(got, want)) > 0.9999
+    # Concurrent duplicates through both API processes: one computation while the model
+    # thread is held, every other request waits for it.
+    text = "Eight clients of two API processes ask for this at once."
+    with ThreadPoolExecutor(9) as pool, gated.held(pool):
+        before = engine_counts(gated.url)
+        asked = [pool.submit(minilm_outputs, gated.url, inputs=[text]) for _ in range(8)]
+        poll(lambda: value(scrape(gated.url), "batchfit_active_infer_requests") == 1 + 8)
+    answers = [future.result(60) for future in asked]
+    after = engine_counts(gated.url)
+    assert all(np.array_equal(answer, answers[0]) for answer in answers)
+    assert float(np.dot(answers[0][0], embed([text])[0])) > 0.9999
+    assert after["batchfit_batch_size_sum"] - before["batchfit_batch_size_sum"] == 1
+    shared = (
+        after["batchfit_deduplicated_inputs_total"] - before["batchfit_deduplicated_inputs_total"]
+    )
+    assert shared == 7
+
+
+def test_a_killed_api_process_is_started_again_and_the_replica_serves_on(gated):
+    """Last on the shared replica: it leaves the replica as it found it, with a new process."""
+    server = gated.server
+    first, second = children(server.process.pid)
+    os.kill(first, signal.SIGKILL)
+    poll(lambda: first not in (now := children(server.process.pid)) and len(now) == 2)
+    replacement = next(p for p in children(server.process.pid) if p != second)
+    for i in range(10):  # new connections: both API processes answer some
+        assert infer(server.url, {"inputs": [f"after {i}"]}).status_code == 200
+    poll(lambda: httpx.get(f"{server.url}/health/ready").status_code == 200)
+    assert server.process.poll() is None
+    assert replacement != first
+    assert "starting it again" in server.log()
 
 
 # -- drain and failover, two API processes
@@ -255,17 +361,3 @@ def test_a_killed_engine_ends_every_request_with_503_and_the_api_processes_exit(
         poll(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers))
         with pytest.raises(httpx.TransportError):  # nothing listens any more
             httpx.get(f"{server.url}/health/live", timeout=5)
-
-
-def test_a_killed_api_process_is_started_again_and_the_replica_serves_on(tmp_path):
-    with gated_replica(tmp_path) as server:
-        first, second = children(server.process.pid)
-        os.kill(first, signal.SIGKILL)
-        poll(lambda: first not in (now := children(server.process.pid)) and len(now) == 2)
-        replacement = next(p for p in children(server.process.pid) if p != second)
-        for i in range(10):  # new connections: both API processes answer some
-            assert infer(server.url, {"inputs": [f"after {i}"]}).status_code == 200
-        poll(lambda: httpx.get(f"{server.url}/health/ready").status_code == 200)
-        assert server.process.poll() is None
-        assert replacement != first
-    assert "starting it again" in server.log()
