@@ -77,11 +77,13 @@ def create_app(
                     serve_metrics(registry, host=settings.host, port=settings.metrics_port)
                 )
             starting = asyncio.create_task(runtime.start(), name="batchfit-start")
-            sampling = asyncio.create_task(history.run(), name="batchfit-status")
+            tasks = [starting]
+            if not remote:  # an API process's requests are sampled by the engine
+                tasks.append(asyncio.create_task(history.run(), name="batchfit-status"))
             try:
                 yield
             finally:
-                for task in (starting, sampling):
+                for task in tasks:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
@@ -110,6 +112,9 @@ def create_app(
         registry, queue_depth=lambda: len(runtime.queue), window_s=settings.status_window_s
     )
     app.state.status_history = history
+    remote = hasattr(runtime, "status_samples")  # an API process: the engine keeps the history
+    if remote:
+        runtime.status_history = history
     observers = [history.observe, *([AccessLog()] if settings.access_log else [])]
     app.add_middleware(
         RequestContextMiddleware, max_body_bytes=settings.max_body_bytes,

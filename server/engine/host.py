@@ -27,6 +27,7 @@ from ..errors import to_api_error
 from ..heap import freeze_startup_heap
 from ..runtime import ClientDisconnected, RequestTrace, Runtime
 from ..settings import Settings
+from ..status import StatusHistory
 from . import wire
 from .link import Link
 from .merge import exposition, merge_families
@@ -37,6 +38,9 @@ STATE_INTERVAL_S = 0.2
 """How often each API process hears whether the engine is ready, and its queue depth."""
 SNAPSHOT_TIMEOUT_S = 2.0
 """A scrape waits this long for each API process's series (one that died is left out)."""
+TALLY_TIMEOUT_S = 0.5
+"""A status sample waits this long for each API process's requests (a late one counts in
+the next sample)."""
 WORKER_STOP_GRACE_S = 15.0
 """After the drain, how long the API processes may take to answer and close."""
 
@@ -82,6 +86,14 @@ class EngineHost:
         self._next_collect = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._models_message: bytes | None = None
+        # The status page's one history for the replica: the engine's series and queue,
+        # and every API process's requests, gathered before each sample.
+        self.status = StatusHistory(
+            self.registry, queue_depth=lambda: len(self.runtime.queue),
+            window_s=settings.status_window_s,
+        )  # fmt: skip
+        self._tallies: tuple[int, asyncio.Future[None], set[int]] | None = None
+        self._next_tally = 0
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -94,13 +106,14 @@ class EngineHost:
             loop.add_signal_handler(sig, self._signal)
         starting = self._spawn_task(self.runtime.start())
         ticking = self._spawn_task(self._tick())
+        sampling = self._spawn_task(self.status.run(self._gather_tallies))
         try:
             await self._stopping.wait()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             await self._stop_workers()
-            for task in (starting, ticking):
+            for task in (starting, ticking, sampling):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -270,6 +283,17 @@ class EngineHost:
                 watch.connection_lost()
         elif kind == wire.METRICS:
             self._spawn_task(self._scrape(worker, header[0]))
+        elif kind == wire.TALLY:
+            tally, requests, errors, latencies_s = header
+            self.status.add(requests, errors, latencies_s)  # a late one counts in the next
+            waiting = self._tallies
+            if waiting is not None and waiting[0] == tally:
+                waiting[2].discard(worker.index)
+                if not waiting[2] and not waiting[1].done():
+                    waiting[1].set_result(None)
+        elif kind == wire.STATUS:
+            number, since = header
+            self._send(worker, wire.SAMPLES, (number, self.status.since(since)))
         elif kind == wire.SNAPSHOT:
             number, families = header
             waiting = self._collects.get(number)
@@ -321,6 +345,22 @@ class EngineHost:
             del self._collects[collect]
         families = merge_families([list(self.registry.collect()), *snapshots])
         self._send(asker, wire.EXPOSITION, (number,), exposition(families))
+
+    async def _gather_tallies(self) -> None:
+        """Before a status sample: every API process's requests since the last one."""
+        greeted = self._greeted()
+        if not greeted:
+            return
+        tally = self._next_tally = self._next_tally + 1
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._tallies = (tally, done, {worker.index for worker in greeted})
+        try:
+            for worker in greeted:
+                self._send(worker, wire.TAKE, (tally,))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done, TALLY_TIMEOUT_S)
+        finally:
+            self._tallies = None
 
 
 def _loop_factory() -> Any:

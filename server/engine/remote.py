@@ -105,6 +105,9 @@ class RemoteRuntime:
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._tokenizer = ModelThread("batchfit-tokenize")
         self._heard: asyncio.Event | None = None
+        self.status_history: Any = None
+        """This process's ``StatusHistory`` (set by ``create_app``): it only counts the
+        requests answered here, which the engine takes before each of its samples."""
 
     @property
     def ready(self) -> bool:
@@ -218,10 +221,18 @@ class RemoteRuntime:
         elif kind == wire.COLLECT:
             (number,) = header
             self._send(wire.SNAPSHOT, (number, list(self.registry.collect())))
+        elif kind == wire.TAKE:
+            (tally,) = header
+            taken = self.status_history.take() if self.status_history is not None else (0, 0, [])
+            self._send(wire.TALLY, (tally, *taken))
         elif kind == wire.EXPOSITION:
             future = self._pending.get(header[0])
             if future is not None and not future.done():
                 future.set_result(frames[0])
+        elif kind == wire.SAMPLES:
+            future = self._pending.get(header[0])
+            if future is not None and not future.done():
+                future.set_result(header[1])
         elif kind == wire.STOP:
             self._stopping = True
             asyncio.get_running_loop().create_task(self._stop_when_answered())
@@ -266,6 +277,10 @@ class RemoteRuntime:
     async def exposition(self) -> bytes:
         """The replica's metrics, merged by the engine (``merge.py``)."""
         return await self._call(wire.METRICS, (), timeout_s=10.0)
+
+    async def status_samples(self, since: float | None) -> list[dict[str, Any]]:
+        """The replica's status samples, from the engine's history (newer than ``since``)."""
+        return await self._call(wire.STATUS, (since,), timeout_s=10.0)
 
     async def infer(
         self,

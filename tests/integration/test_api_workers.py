@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import itertools
+import json
 import os
 import re
 import signal
@@ -16,6 +18,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -141,6 +144,98 @@ def test_one_scrape_counts_every_request_of_the_replica(gated):
     # The engine's own series are in the same scrape.
     assert value(after, "batchfit_ready") == 1
     assert value(after, "batchfit_batch_size_count", 'model="scripted"') >= num_requests
+
+
+def serving_process(conn: http.client.HTTPConnection, workers: list[int]) -> int | None:
+    """Which API process accepted ``conn`` (None until one has): the one holding the
+    server end of its TCP connection, found through /proc."""
+    client_port, server_port = conn.sock.getsockname()[1], conn.sock.getpeername()[1]
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, peer = (int(address.rsplit(":", 1)[1], 16) for address in fields[1:3])
+        if (local, peer) == (server_port, client_port):
+            inodes.add(f"socket:[{fields[9]}]")
+    for pid in workers:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd) in inodes:
+                    return pid
+    return None
+
+
+def one_connection_per_api_process(port: int, workers: list[int]) -> dict[int, Any]:
+    """A kept-alive connection to each API process (new ones until both have one)."""
+    held: dict[int, http.client.HTTPConnection] = {}
+    for _ in range(200):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.connect()
+        poll(lambda conn=conn: serving_process(conn, workers) is not None)
+        owner = serving_process(conn, workers)
+        if owner in held:
+            conn.close()
+        else:
+            held[owner] = conn
+        if len(held) == len(workers):
+            return held
+    raise AssertionError("the API processes never both accepted a connection")
+
+
+def status_samples(url: str, since: float | None = None) -> list[dict]:
+    answer = httpx.get(f"{url}/status.json", params={"since": since} if since else None,
+                       headers=AUTH, timeout=30)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    return answer.json()["samples"]
+
+
+def settled(url: str, since: float | None = None) -> float:
+    """The time of a sample that has counted every request answered before this call: the
+    second sample closed after it, whose gathering of the API processes' requests began
+    after it."""
+    now = time.time()
+    poll(lambda: sum(s["t"] > now for s in status_samples(url, since)) >= 2)
+    return status_samples(url, since)[-1]["t"]
+
+
+def test_the_status_page_shows_the_engine_and_every_api_process(gated):
+    """Its batch, memory and cache figures are the engine's; its request counts are those
+    of both API processes."""
+    url = gated.url
+    for _ in range(2):  # a cached answer and its repeat: the cache has bytes and a hit
+        assert minilm_outputs(url, inputs=["The status page's cached sentence."]).shape == (1, 384)
+    workers = children(gated.server.process.pid)
+    held = one_connection_per_api_process(gated.server.port, workers)
+    try:
+        start = settled(url)  # the requests from now on count in the samples after it
+        sent = {pid: 2 + i for i, pid in enumerate(held)}  # unequal: each process is seen
+        for pid, conn in held.items():
+            for i in range(sent[pid]):
+                body = json.dumps({"inputs": [f"status {pid} {i}"]})
+                conn.request(
+                    "POST", "/v1/infer", body, {**AUTH, "Content-Type": "application/json"}
+                )
+                answer = conn.getresponse()
+                assert answer.status == 200, answer.read()
+                answer.read()
+            assert serving_process(conn, workers) == pid  # still the same process
+    finally:
+        for conn in held.values():
+            conn.close()
+    settled(url, start)
+    samples = [{"t": start}, *status_samples(url, start)]
+    counted = sum(
+        round(now["requests_per_s"] * (now["t"] - last["t"]))
+        for last, now in itertools.pairwise(samples)
+    )
+    assert counted == sum(sent.values())
+    newer = samples[1:]
+    assert sum(s["batches"] for s in newer) >= sum(sent.values())
+    assert any(s["batch_size"] for s in newer) and any(s["padded_tokens"] for s in newer)
+    latest = newer[-1]
+    for field in ("memory_free_bytes", "predicted_peak_bytes", "measured_peak_bytes"):
+        assert latest[field], field
+    assert latest["cache_hit_rate"] is not None and latest["cache_bytes"] > 0
+    assert any(s["latency_p50_ms"] for s in newer)
 
 
 def test_priorities_order_the_queue(gated):
