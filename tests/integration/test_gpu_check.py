@@ -44,7 +44,7 @@ def test_the_dry_run_passes_and_writes_every_figure(tmp_path):
         assert run["replica"]["num_inputs"] > 0 and run["limit"]["inputs_per_s"] > 0
         assert run["vs_limit"] > 0 and run["memory"]["budget_low_bytes"] > 0
     workers = results["workers"]["runs"]
-    assert [run["plan"]["api_workers"] for run in workers] == [1, 2]
+    assert [run["plan"]["api_workers"] for run in workers] == [2]
     for run in workers:
         assert run["passed"] and run["replica"]["num_requests"] > 0, run
     summary = (out / "summary.md").read_text()
