@@ -52,12 +52,17 @@ class Replica:
         return read_status_bytes(self.process.pid, "VmHWM")
 
     def cpu_seconds(self) -> float | None:
-        """User + system CPU time of the replica process so far."""
-        try:
-            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
+        """User + system CPU time of the replica process so far, with its API processes'
+        (``--api-workers``: its children) while they run."""
+        total = _process_cpu_seconds(self.process.pid)
+        if total is None:
             return None
+        try:
+            children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+            pids = [int(pid) for pid in children.read_text().split()]
+        except (OSError, ValueError):
+            pids = []
+        return total + sum(_process_cpu_seconds(pid) or 0.0 for pid in pids)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -189,3 +194,11 @@ def start_baseline(
         [], log_dir=log_dir, ready_timeout_s=ready_timeout_s, baseline=factory
     ) as replicas:
         yield replicas[0]
+
+
+def _process_cpu_seconds(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -79,6 +79,10 @@ class Model(Protocol):
     keyword ``prompt`` (text to put before each input); one that does not is given the
     inputs with the prompt already in front. One that takes ``truncation_direction``
     (``right`` or ``left``) cuts over-long inputs from that end.
+
+    A model may also have ``preparer()``: an object with its ``prepare`` (and
+    ``prepare_pairs``) and ``info`` but no weights, which pickles; API processes in front
+    of one engine tokenize with it. Without one, the model itself is pickled for them.
     """
 
     info: ModelInfo

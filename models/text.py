@@ -3,6 +3,7 @@ and cross-encoders. What follows the forward pass is the model's postprocess."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 from collections.abc import Sequence
@@ -116,6 +117,15 @@ class TextModel:
             activation=activation_name(description.head_activation) if description else None,
             truncation_side=truncation_side,
         )
+
+    def preparer(self) -> TextModel:
+        """This model without its weights: all that tokenizing (``prepare``,
+        ``prepare_pairs``) needs. It pickles, so another process can tokenize for it."""
+        bare = copy.copy(self)
+        bare._module = None
+        bare._postprocess = None
+        bare._device = torch.device("cpu")
+        return bare
 
     def prepare(
         self, inputs: Sequence[str], *, truncate: bool, prompt: str | None = None,

@@ -23,6 +23,8 @@ from typing import Any
 from .gpu_common import device_facts, write_json
 from .gpu_storm import StormPlan, burst_texts, run_storm
 from .gpu_throughput import ThroughputPlan, run_throughput
+from .gpu_workers import plans as workers_plans
+from .gpu_workers import run_workers
 
 BUNDLED = "all-MiniLM-L6-v2"
 BERT_LARGE = {
@@ -32,7 +34,7 @@ BERT_LARGE = {
     "intermediate_size": 4096,
     "max_position_embeddings": 512,
 }
-STEPS = ("tests", "storm", "throughput")
+STEPS = ("tests", "storm", "throughput", "workers")
 
 
 def guarded(run: Callable[..., dict[str, Any]], plan: Any, *args: Any) -> dict[str, Any]:
@@ -96,6 +98,15 @@ def throughput(device: str, work: Path) -> bool:
     return all(run["passed"] for run in runs)
 
 
+def workers(device: str, work: Path) -> bool:
+    runs = []
+    for plan in workers_plans(device, BUNDLED):
+        logging.info("workers: %s, --api-workers %d", plan.label, plan.api_workers)
+        runs.append(guarded(run_workers, plan, work / "logs"))
+        write_json(work / "workers.json", {"runs": runs})  # kept if a later run is cut short
+    return all(run["passed"] for run in runs)
+
+
 def _read(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -122,6 +133,7 @@ def summary(work: Path, out: Path, status: dict[str, int], dry_run: bool, device
         "tests": _read(work / "gpu_tests.json"),
         "storm": _read(work / "storm.json"),
         "throughput": _read(work / "throughput.json"),
+        "workers": _read(work / "workers.json"),
     }
     results["passed"] = all(status.get(step) == 0 for step in STEPS)
     write_json(out / "results.json", results)
@@ -197,6 +209,22 @@ def markdown(results: dict[str, Any], device: str) -> str:
             f"{_mib(mem['budget_low_bytes'])} | {_mib(mem['measured_batch_peak_high_bytes'])} | "
             f"{_num(mem['peak_vs_budget'], '.2f')} |"
         )
+    lines += ["", "## 4. API processes in front of one engine (`--api-workers`)", ""]
+    lines += [
+        "| model | API processes | load | requests/s | p50 / p99 ms | replica CPU ms per input |",
+        "| --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for run in (results.get("workers") or {}).get("runs", []):
+        plan = run["plan"]
+        if "error" in run:
+            errors.append(f"workers ({plan['label']}, {plan['api_workers']}): {run['error']}")
+            continue
+        rep = run["replica"]
+        lines.append(
+            f"| {plan['label']} | {plan['api_workers']} | {run['load']} c={plan['connections']} "
+            f"| {_num(rep['requests_per_s'])} | {_num(rep['p50_s'] * 1e3, '.2f')} / "
+            f"{_num(rep['p99_s'] * 1e3, '.2f')} | {_num(rep.get('cpu_ms_per_input'), '.3f')} |"
+        )
     if errors:
         lines += ["", "## Runs that broke", "", *(f"- {e}" for e in errors)]
     return "\n".join(lines) + "\n"
@@ -204,7 +232,7 @@ def markdown(results: dict[str, Any], device: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check")
-    parser.add_argument("step", choices=("machine", "storm", "throughput", "summary"))
+    parser.add_argument("step", choices=("machine", "storm", "throughput", "workers", "summary"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--out", type=Path)
@@ -220,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if storm(args.device, args.work) else 1
     if args.step == "throughput":
         return 0 if throughput(args.device, args.work) else 1
+    if args.step == "workers":
+        return 0 if workers(args.device, args.work) else 1
     status = {k: int(v) for k, v in (item.split("=", 1) for item in args.status)}
     return 0 if summary(args.work, args.out, status, args.dry_run, args.device) else 1
 

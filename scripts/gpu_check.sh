@@ -33,11 +33,11 @@ started=$(date +%s)
 if [ "$DRY_RUN" = 1 ]; then
     DEVICE=cpu
     # Step time limits (seconds): generous on a shared CPU host.
-    LIMITS=(240 300 300)
+    LIMITS=(240 300 300 120)
 else
     DEVICE=cuda
-    # 7 min 20 s in all, plus the install: inside the 8 minutes the check may take.
-    LIMITS=(90 150 200)
+    # 10 min 20 s in all, plus the install.
+    LIMITS=(90 150 200 180)
     shopt -s nullglob
     wheels=("$ROOT"/.whl/*.whl)
     if [ ${#wheels[@]} = 0 ]; then
@@ -72,6 +72,8 @@ step tests "${LIMITS[0]}" env BATCHFIT_GPU_CHECK_DEVICE=$DEVICE BATCHFIT_GPU_CHE
 step storm "${LIMITS[1]}" "$PYTHON" -m scripts.gpu_check storm --device "$DEVICE" --work "$WORK"
 step throughput "${LIMITS[2]}" \
     "$PYTHON" -m scripts.gpu_check throughput --device "$DEVICE" --work "$WORK"
+step workers "${LIMITS[3]}" \
+    "$PYTHON" -m scripts.gpu_check workers --device "$DEVICE" --work "$WORK"
 
 dry=()
 [ "$DRY_RUN" = 1 ] && dry=(--dry-run)

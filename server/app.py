@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi_offline import FastAPIOffline
-from prometheus_client import CollectorRegistry, disable_created_metrics
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
@@ -47,23 +48,26 @@ def create_app(
     sizer: Sizer | None = None,
     on_fatal: Callable[[], None] | None = None,
     on_ready: Callable[[], None] | None = None,
+    runtime: Any = None,
 ) -> FastAPI:
     """Build one replica's app. Start-up (model load, warm-up) runs in the background so that
-    ``/health/live`` answers at once and ``/health/ready`` says 503 until it is done."""
+    ``/health/live`` answers at once and ``/health/ready`` says 503 until it is done.
+    ``runtime`` replaces the ``Runtime`` (an API process's ``RemoteRuntime``)."""
     # The *_created series only add noise to every scrape.
     disable_created_metrics()
     registry = registry if registry is not None else CollectorRegistry()
-    runtime = Runtime(
-        settings,
-        registry=registry,
-        model=model,
-        models=models,
-        clock=clock,
-        sizer=sizer,
-        probe=probe,
-        on_fatal=on_fatal,
-        on_ready=on_ready,
-    )
+    if runtime is None:
+        runtime = Runtime(
+            settings,
+            registry=registry,
+            model=model,
+            models=models,
+            clock=clock,
+            sizer=sizer,
+            probe=probe,
+            on_fatal=on_fatal,
+            on_ready=on_ready,
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -73,11 +77,13 @@ def create_app(
                     serve_metrics(registry, host=settings.host, port=settings.metrics_port)
                 )
             starting = asyncio.create_task(runtime.start(), name="batchfit-start")
-            sampling = asyncio.create_task(history.run(), name="batchfit-status")
+            tasks = [starting]
+            if not remote:  # an API process's requests are sampled by the engine
+                tasks.append(asyncio.create_task(history.run(), name="batchfit-status"))
             try:
                 yield
             finally:
-                for task in (starting, sampling):
+                for task in tasks:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
@@ -106,6 +112,9 @@ def create_app(
         registry, queue_depth=lambda: len(runtime.queue), window_s=settings.status_window_s
     )
     app.state.status_history = history
+    remote = hasattr(runtime, "status_samples")  # an API process: the engine keeps the history
+    if remote:
+        runtime.status_history = history
     observers = [history.observe, *([AccessLog()] if settings.access_log else [])]
     app.add_middleware(
         RequestContextMiddleware, max_body_bytes=settings.max_body_bytes,
@@ -137,6 +146,8 @@ def create_app(
 
         @app.get("/metrics", include_in_schema=False)
         async def metrics(request: Request) -> Response:
+            if hasattr(runtime, "exposition"):  # an API process: the replica's, merged
+                return Response(await runtime.exposition(), media_type=CONTENT_TYPE_LATEST)
             return metrics_response(registry)
 
     return app

@@ -111,6 +111,10 @@ def serve(settings: Settings) -> int:
     configure_logging(settings.log_level)
     # Read by oneDNN at its first use: before the model loads. An operator's value wins.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
+    if settings.api_workers > 1:
+        from .engine import serve_engine  # its own processes, its own event loop
+
+        return serve_engine(settings)
     config = uvicorn.Config(
         None,  # set below
         host=settings.host,

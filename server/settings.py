@@ -121,6 +121,14 @@ class Settings(BaseSettings):
     max_input_tokens: int | None = Field(
         None, ge=2, description="Truncation length; defaults to the model's own maximum."
     )
+    api_workers: int = Field(
+        1,
+        ge=1,
+        description="HTTP API processes in front of one engine process. 1: one process does "
+        "everything. N >= 2: N processes accept HTTP on the port, validate, tokenize and encode "
+        "answers; one engine process owns the device, the queue, the batcher and the model "
+        "thread, so batches still form across every client. For hosts with many cores.",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,
@@ -298,6 +306,17 @@ class Settings(BaseSettings):
     def _check_metrics_port(self) -> Settings:
         if self.metrics_port is not None and self.metrics_port == self.port:
             raise ValueError(f"metrics_port ({self.metrics_port}) must differ from port")
+        return self
+
+    @model_validator(mode="after")
+    def _check_api_workers(self) -> Settings:
+        if self.api_workers > 1:
+            for name, value in (("metrics_port", self.metrics_port),
+                                ("admin_token", self.admin_token)):  # fmt: skip
+                if value is not None:
+                    raise ValueError(
+                        f"{name} is not available with api_workers ({self.api_workers}) above 1"
+                    )
         return self
 
     def model_entries(self) -> list[ModelEntry]:

@@ -256,3 +256,44 @@ DEVICE_FAULT = "device fault"
 def faulty_device_model() -> FaultyDeviceModel:
     """Entry point for ``--model python:tests.fakes:faulty_device_model``."""
     return FaultyDeviceModel()
+
+
+GATE_ENV = "BATCHFIT_TEST_GATE"
+
+
+class ScriptedPreparer:
+    """What tokenizes for a ``ScriptedModel``, without its threading state: it pickles."""
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+
+    def prepare(self, inputs: Sequence[str], *, truncate: bool) -> list[Item]:
+        return [Item(data=text, cost=len(text.split()) + 2) for text in inputs]
+
+
+class FileGatedModel(ScriptedModel):
+    """A batch holding an input that starts with ``hold`` waits (at most 120 s) until the
+    file named by ``$BATCHFIT_TEST_GATE`` exists; warm-up and other batches run at once.
+    Each output is ``[n]``: how many inputs ran before it, so a test sees the order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gate_path = Path(os.environ[GATE_ENV])
+        self._ran = 0
+
+    def preparer(self) -> ScriptedPreparer:
+        return ScriptedPreparer(self.info)
+
+    def forward(self, items: Sequence[Item]) -> list[Any]:
+        if any(str(item.data).startswith("hold") for item in items):
+            deadline = time.monotonic() + 120
+            while not self._gate_path.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        super().forward(items)
+        first, self._ran = self._ran, self._ran + len(items)
+        return [[float(first + i)] for i in range(len(items))]
+
+
+def file_gated_model() -> FileGatedModel:
+    """Entry point for ``--model python:tests.fakes:file_gated_model``."""
+    return FileGatedModel()

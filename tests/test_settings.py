@@ -173,3 +173,15 @@ def test_serve_refuses_such_settings_at_start_up_and_names_the_flag(capsys, monk
     monkeypatch.setattr("server.cli.serve", lambda settings: 0)  # never a real server here
     assert main(["serve", "--max-queue-items", "64"]) == 2
     assert "lower --max-inputs-per-request or raise --max-queue-items" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "given", [{"metrics_port": 9100}, {"admin_token": "secret"}], ids=["metrics-port", "admin"]
+)
+def test_what_one_process_owns_is_refused_with_api_workers(given):
+    name = next(iter(given))
+    with pytest.raises(ValidationError, match=rf"{name} is not available with api_workers \(2\)"):
+        Settings(api_workers=2, **given)
+    assert Settings(api_workers=1, **given).api_workers == 1
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        Settings(api_workers=0)

@@ -38,6 +38,22 @@ def _record(endpoint="/v1/infer", status=200, duration_s=0.01):
     )  # fmt: skip
 
 
+def test_another_process_takes_its_requests_and_the_history_adds_them(registry):
+    """With API processes: each one's ``take`` empties its tally into the engine's ``add``."""
+    api_process = StatusHistory(registry, queue_depth=lambda: 0, window_s=10)
+    engine = StatusHistory(registry, queue_depth=lambda: 0, window_s=10)
+    engine.sample(wall_s=100.0, mono_s=50.0)
+    for ms in (10, 30):
+        api_process.observe(_record(duration_s=ms / 1000))
+    api_process.observe(_record(status=500))
+    engine.observe(_record(duration_s=0.02))  # the engine's own would count too
+    engine.add(*api_process.take())
+    assert api_process.take() == (0, 0, [])  # taken once
+    sample = engine.sample(wall_s=101.0, mono_s=51.0)
+    assert sample["requests_per_s"] == 4 and sample["errors_per_s"] == 1
+    assert (sample["latency_p50_ms"], sample["latency_p99_ms"]) == (20.0, 30.0)
+
+
 def test_a_sample_sums_up_its_interval(registry):
     batching = BatchingMetrics(registry, max_batch_size=32, max_batch_tokens=4096)
     memory = MemoryMetrics(registry)

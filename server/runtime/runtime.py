@@ -32,6 +32,7 @@ from batching import (
 from models import (
     BatchProfiler,
     DeviceError,
+    Item,
     Model,
     ModelOutOfMemory,
     load_model,
@@ -483,7 +484,6 @@ class Runtime:
         client: ClientWatch | None, prompt: str | None = None,
         truncation_direction: str | None = None, dimensions: int | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
-        loop = asyncio.get_running_loop()
         assert slot.model is not None
         prepare = prepare_call(
             slot.model, inputs, truncate=truncate, query=query, prompt=prompt,
@@ -495,6 +495,44 @@ class Runtime:
             items = await self.tokenizer_thread.call(prepare)
         else:
             items = prepare()
+        return await self._queue_and_wait(
+            slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
+            trace=trace, client=client, dimensions=dimensions,
+        )  # fmt: skip
+
+    async def infer_items(
+        self,
+        items: Sequence[Item],
+        *,
+        timeout_s: float,
+        request_id: str,
+        priority: int = 0,
+        model: str | None = None,
+        trace: RequestTrace | None = None,
+        client: ClientWatch | None = None,
+        dimensions: int | None = None,
+    ) -> tuple[list[Any], int]:
+        """As ``infer``, for inputs already prepared (tokenized) elsewhere: the API processes
+        in front of this engine (``server/engine/``). The output cache and the sharing of
+        computations in flight apply as in ``infer``: they live here, with the queue."""
+        if self.draining:
+            raise draining()
+        if not self.ready:
+            raise not_ready()
+        slot = self.slot(model)
+        with self.work.request():
+            return await self._queue_and_wait(
+                slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
+                trace=trace if trace is not None else RequestTrace(), client=client,
+                dimensions=dimensions,
+            )  # fmt: skip
+
+    async def _queue_and_wait(
+        self, slot: ModelSlot, items: Sequence[Item], *, timeout_s: float, request_id: str,
+        priority: int, trace: RequestTrace, client: ClientWatch | None,
+        dimensions: int | None,
+    ) -> tuple[list[Any], int]:  # fmt: skip
+        loop = asyncio.get_running_loop()
         trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
         now = self.clock.now()
         deadline = now + timeout_s

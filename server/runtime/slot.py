@@ -184,6 +184,22 @@ def make_sizer(settings: Settings, info: ModelInfo) -> Sizer:
     return AdaptiveSizer(prior_for(info.shape), settings.adaptive_config())
 
 
+_PARAMETERS: dict[Any, Mapping[str, inspect.Parameter]] = {}
+
+
+def _parameters(prepare: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+    """``prepare``'s parameters, read once per function: ``inspect.signature`` costs tens
+    of microseconds, on every request otherwise."""
+    key = getattr(prepare, "__func__", prepare)
+    try:
+        return _PARAMETERS[key]
+    except KeyError:
+        found = _PARAMETERS[key] = inspect.signature(prepare).parameters
+        return found
+    except TypeError:  # an unhashable callable
+        return inspect.signature(prepare).parameters
+
+
 def prepare_call(
     model: Model, inputs: Sequence[str], *, truncate: bool, query: str | None, prompt: str | None,
     truncation_direction: str | None = None,
@@ -192,7 +208,7 @@ def prepare_call(
     whose ``prepare`` takes no ``prompt`` gets the prompt already in front of each text; one
     that takes no ``truncation_direction`` cannot be asked for one (400)."""
     prepare = model.prepare_pairs if query is not None else model.prepare  # type: ignore[attr-defined]
-    parameters = inspect.signature(prepare).parameters
+    parameters = _parameters(prepare)
     options: dict[str, Any] = {"truncate": truncate}
     if truncation_direction is not None:
         if "truncation_direction" not in parameters:

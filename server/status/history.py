@@ -1,7 +1,9 @@
 """The status page's data: one sample a second, kept for the last few minutes in the replica.
 
 Everything comes from what the replica already records: finished requests (observed from the
-request middleware), the queue, and the batching and memory metrics on its registry.
+request middleware), the queue, and the batching and memory metrics on its registry. With
+``--api-workers`` above 1 the engine keeps the one history: before each sample it asks every
+API process for its requests since the last (``take``) and adds them in (``add``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -105,6 +107,20 @@ class StatusHistory:
         else:
             self._latencies_s.append(record.duration_s)
 
+    def take(self) -> tuple[int, int, list[float]]:
+        """The requests observed here since the last take (count, errors, latencies of the
+        successes), forgotten here: what an API process hands the engine's history."""
+        tally = (self._requests, self._errors, self._latencies_s)
+        self._requests = self._errors = 0
+        self._latencies_s = []
+        return tally
+
+    def add(self, requests: int, errors: int, latencies_s: Sequence[float]) -> None:
+        """Another process's ``take``, counted in the interval open now."""
+        self._requests += requests
+        self._errors += errors
+        self._latencies_s.extend(latencies_s)
+
     def sample(self, wall_s: float, mono_s: float) -> dict[str, Any]:
         """Close the interval that ends now and append its sample."""
         elapsed = mono_s - self._last_mono_s if self._last_mono_s is not None else self.interval_s
@@ -140,12 +156,18 @@ class StatusHistory:
         samples: Iterable[dict[str, Any]] = self.samples
         return [s for s in samples if t is None or s["t"] > t]
 
-    async def run(self) -> None:
-        """Sample every ``interval_s`` until cancelled (a slow loop skips, never bunches)."""
+    async def run(self, before: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Sample every ``interval_s`` until cancelled (a slow loop skips, never bunches);
+        ``before`` (the engine's gathering of its API processes' requests) is awaited ahead
+        of each sample."""
+        if before is not None:
+            await before()
         self.sample(time.time(), time.monotonic())
         next_s = time.monotonic() + self.interval_s
         while True:
             await asyncio.sleep(max(0.0, next_s - time.monotonic()))
+            if before is not None:
+                await before()
             now = time.monotonic()
             self.sample(time.time(), now)
             next_s = max(next_s + self.interval_s, now + self.interval_s / 2)

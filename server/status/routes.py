@@ -53,13 +53,17 @@ def make_status_router(history: StatusHistory) -> APIRouter:
         since: Annotated[float | None, Query(description="Only samples after this time.")] = None,
     ) -> Response:
         runtime = request.app.state.runtime
+        if hasattr(runtime, "status_samples"):  # an API process: the engine's, for the replica
+            samples = await runtime.status_samples(since)
+        else:
+            samples = history.since(since)
         body = {
             "window_s": history.window_s,
             "interval_s": history.interval_s,
             "ready": runtime.ready,
             "draining": runtime.draining,
             "model": model_card(request),
-            "samples": history.since(since),
+            "samples": samples,
         }
         return Response(
             orjson.dumps(body),

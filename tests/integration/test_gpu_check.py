@@ -29,7 +29,7 @@ def test_the_dry_run_passes_and_writes_every_figure(tmp_path):
     ]  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert results["passed"] and results["dry_run"]
-    assert results["exit_status"] == {"tests": 0, "storm": 0, "throughput": 0}
+    assert results["exit_status"] == {"tests": 0, "storm": 0, "throughput": 0, "workers": 0}
     assert results["machine"]["device"] == "cpu"
     assert len(results["tests"]) == 3
     peaks = results["tests"]["test_measured_peaks_agree_with_the_sizers_prediction"]
@@ -43,9 +43,14 @@ def test_the_dry_run_passes_and_writes_every_figure(tmp_path):
     for run in runs:
         assert run["replica"]["num_inputs"] > 0 and run["limit"]["inputs_per_s"] > 0
         assert run["vs_limit"] > 0 and run["memory"]["budget_low_bytes"] > 0
+    workers = results["workers"]["runs"]
+    assert [run["plan"]["api_workers"] for run in workers] == [2]
+    for run in workers:
+        assert run["passed"] and run["replica"]["num_requests"] > 0, run
     summary = (out / "summary.md").read_text()
     assert "dry run on the CPU" in summary and "| storm | passed |" in summary
     assert "| MiniLM float32 |" in summary and "| adaptive | float32 | 32 | 0 |" in summary
+    assert "| no-op | 2 |" in summary
 
 
 def test_without_wheels_the_real_check_stops_at_once(tmp_path):

@@ -1,0 +1,329 @@
+"""An API process's view of the engine: a stand-in for ``Runtime`` that the app's routes
+use as they use the real one, with the queue, batcher and model in the engine process.
+
+Inputs are tokenized here (inline, or on a tokenizer thread past the engine's measured
+limit) and sent as items; the answer's future ends on the engine's result or error, the
+deadline (with a grace for the engine's own answer), the client going away, or the engine
+process going away (503 ``engine_unavailable`` at once: its end of our stdin closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from batching import ModelThread
+from models import ModelInfo
+
+from ..errors import ApiError, draining, model_not_found, not_ready
+from ..heap import freeze_startup_heap
+from ..metrics import ServerMetrics
+from ..runtime import ClientDisconnected, ClientWatch, RequestTrace
+from ..runtime.slot import prepare_call
+from ..settings import Settings
+from . import wire
+from .link import Link
+
+log = logging.getLogger("batchfit")
+
+DEADLINE_GRACE_S = 5.0
+"""The engine answers 504 at a request's deadline; this long after it, we do."""
+
+
+def engine_gone() -> ApiError:
+    return ApiError(
+        503, "engine_unavailable", "the engine process of this replica stopped; retry",
+        retry_after_s=1,
+    )  # fmt: skip
+
+
+class RemoteSlot:
+    """A model served by the engine: what the routes read of a ``ModelSlot``."""
+
+    def __init__(self, name: str, card: dict[str, Any], preparer: Any, inline: float) -> None:
+        self.name = name
+        self._card = card
+        self.model = preparer
+        self.inline_tokenize_chars = inline
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.model.info
+
+    def card(self) -> dict[str, Any]:
+        return dict(self._card)
+
+
+class QueueDepth:
+    """``len()`` of the engine's queue, as last reported (the status page reads it)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __len__(self) -> int:
+        return self.depth
+
+
+class RemoteRuntime:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry,
+        link_fd: int,
+        index: int,
+        stdin_fd: int,
+        on_exit: Callable[[int], None],
+    ) -> None:
+        self.settings = settings
+        self.config = settings.server_config()
+        self.registry = registry
+        self.metrics = ServerMetrics(registry, max_latency_s=settings.max_timeout_s)
+        self.slots: dict[str, RemoteSlot] = {}
+        self.queue = QueueDepth()
+        self.profiler = None
+        self.startup_error: BaseException | None = None
+        self.batcher_error: BaseException | None = None
+        self._link_fd = link_fd
+        self._link: Link | None = None
+        self._index = index
+        self._stdin_fd = stdin_fd
+        self._on_exit = on_exit
+        self._engine_ready = False
+        self._engine_draining = False
+        self._stopping = False
+        self.engine_lost = False
+        self._numbers = itertools.count()
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._tokenizer = ModelThread("batchfit-tokenize")
+        self._heard: asyncio.Event | None = None
+        self.status_history: Any = None
+        """This process's ``StatusHistory`` (set by ``create_app``): it only counts the
+        requests answered here, which the engine takes before each of its samples."""
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.slots) and self._engine_ready and not self.draining
+
+    @property
+    def draining(self) -> bool:
+        return self._engine_draining or self._stopping or self.engine_lost
+
+    def slot(self, name: str | None = None, *, task: str | None = None) -> RemoteSlot:
+        """As ``Runtime.slot``."""
+        if not self.slots:
+            raise not_ready()
+        if name is None:
+            slots = list(self.slots.values())
+            of_task = [s for s in slots if task is not None and s.info.task == task]
+            return (of_task or slots)[0]
+        found = self.slots.get(name)
+        if found is None:
+            raise model_not_found(name, list(self.slots))
+        return found
+
+    # -- lifetime (the app's lifespan) ---------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._stdin_fd, self._stdin_readable)
+        await self._tokenizer.call(int)
+        self._heard = asyncio.Event()
+        sock = socket.socket(fileno=self._link_fd)
+        self._link = await Link.open(sock, self._handle, self._link_lost)
+        self._send(wire.HELLO, (self._index,))
+
+    async def heard_from_engine(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the engine's first word: its models, if it is
+        ready, come before it. The API process listens only then, so that it never answers
+        503 ``not_ready`` beside others that are ready."""
+        while self._heard is None:  # the lifespan's start-up task has not run yet
+            await asyncio.sleep(0.001)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._heard.wait(), timeout_s)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self._stdin_fd)
+        self._fail_pending(engine_gone())
+        if self._link is not None:
+            self._link.close()
+        self._tokenizer.close(wait=False)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Only the engine drains; here nothing is left once it has answered."""
+        return True
+
+    def abort(self) -> int:
+        return 0
+
+    def _stdin_readable(self) -> None:
+        try:
+            data = os.read(self._stdin_fd, 4096)
+        except OSError:
+            data = b""
+        if data:
+            return
+        asyncio.get_running_loop().remove_reader(self._stdin_fd)
+        self._engine_lost()
+
+    def _link_lost(self) -> None:
+        self._engine_lost()
+
+    def _engine_lost(self) -> None:
+        if self._stopping or self.engine_lost:
+            return
+        log.error("the engine process is gone; failing %d requests and stopping",
+                  len(self._pending))  # fmt: skip
+        self.engine_lost = True
+        self._fail_pending(engine_gone())
+        self._on_exit(1)
+
+    def _fail_pending(self, error: Exception) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    # -- messages ------------------------------------------------------------------------
+
+    def _send(self, kind: bytes, header: Any, *frames: Any) -> None:
+        assert self._link is not None
+        self._link.send(kind, header, *frames)
+
+    def _handle(self, kind: bytes, header: Any, frames: list[bytes]) -> None:
+        if kind == wire.RESULT:
+            future = self._pending.get(header[0])
+            if future is not None and not future.done():
+                future.set_result((header, frames))
+        elif kind == wire.ERROR:
+            number, status, error_type, message, retry_after_s = header
+            future = self._pending.get(number)
+            if future is not None and not future.done():
+                future.set_exception(
+                    ApiError(status, error_type, message, retry_after_s=retry_after_s)
+                )
+        elif kind == wire.STATE:
+            self._engine_ready, self._engine_draining, self.queue.depth = header
+            if self._heard is not None:
+                self._heard.set()
+        elif kind == wire.MODELS:
+            self.slots = {name: RemoteSlot(name, *rest) for name, *rest in header}
+            freeze_startup_heap()  # as a single-process replica does once ready
+        elif kind == wire.COLLECT:
+            (number,) = header
+            self._send(wire.SNAPSHOT, (number, list(self.registry.collect())))
+        elif kind == wire.TAKE:
+            (tally,) = header
+            taken = self.status_history.take() if self.status_history is not None else (0, 0, [])
+            self._send(wire.TALLY, (tally, *taken))
+        elif kind == wire.EXPOSITION:
+            future = self._pending.get(header[0])
+            if future is not None and not future.done():
+                future.set_result(frames[0])
+        elif kind == wire.SAMPLES:
+            future = self._pending.get(header[0])
+            if future is not None and not future.done():
+                future.set_result(header[1])
+        elif kind == wire.STOP:
+            self._stopping = True
+            asyncio.get_running_loop().create_task(self._stop_when_answered())
+
+    async def _stop_when_answered(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0.01)
+        self._on_exit(0)
+
+    async def _call(self, kind: bytes, header: tuple[Any, ...], *frames: Any,
+                    timeout_s: float, client: ClientWatch | None = None) -> Any:  # fmt: skip
+        """Send a request numbered here; wait for the engine's answer to it."""
+        if self.engine_lost:
+            raise engine_gone()
+        loop = asyncio.get_running_loop()
+        number = next(self._numbers)
+        future = self._pending[number] = loop.create_future()
+
+        def client_gone() -> None:
+            if not future.done():
+                future.set_exception(ClientDisconnected())
+                self._send(wire.CANCEL, (number,))
+
+        def too_late() -> None:
+            if not future.done():
+                future.set_exception(
+                    ApiError(504, "deadline_exceeded", "the engine did not answer in time")
+                )
+                self._send(wire.CANCEL, (number,))
+
+        timer = loop.call_later(timeout_s, too_late)
+        unsubscribe = client.subscribe(client_gone) if client is not None else None
+        try:
+            self._send(kind, (number, *header), *frames)
+            return await future
+        finally:
+            timer.cancel()
+            if unsubscribe is not None:
+                unsubscribe()
+            del self._pending[number]
+
+    async def exposition(self) -> bytes:
+        """The replica's metrics, merged by the engine (``merge.py``)."""
+        return await self._call(wire.METRICS, (), timeout_s=10.0)
+
+    async def status_samples(self, since: float | None) -> list[dict[str, Any]]:
+        """The replica's status samples, from the engine's history (newer than ``since``)."""
+        return await self._call(wire.STATUS, (since,), timeout_s=10.0)
+
+    async def infer(
+        self,
+        inputs: Sequence[str],
+        *,
+        truncate: bool,
+        timeout_s: float,
+        request_id: str,
+        priority: int = 0,
+        model: str | None = None,
+        query: str | None = None,
+        trace: RequestTrace | None = None,
+        prompt: str | None = None,
+        truncation_direction: str | None = None,
+        client: ClientWatch | None = None,
+        dimensions: int | None = None,
+    ) -> tuple[list[Any], int]:
+        """As ``Runtime.infer``: tokenized here (``truncation_direction`` applies here);
+        looked up in the output cache, queued and run in the engine, which also cuts to
+        ``dimensions``."""
+        if self.engine_lost:
+            raise engine_gone()
+        if self.draining:
+            raise draining()
+        if not self.ready:
+            raise not_ready()
+        slot = self.slot(model)
+        trace = trace if trace is not None else RequestTrace()
+        prepare = prepare_call(
+            slot.model, inputs, truncate=truncate, query=query, prompt=prompt,
+            truncation_direction=truncation_direction,
+        )  # fmt: skip
+        chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
+        chars += len(prompt or "") * len(inputs)
+        if chars > slot.inline_tokenize_chars:
+            items = await self._tokenizer.call(prepare)
+        else:
+            items = prepare()
+        trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
+        header, frames = await self._call(
+            wire.INFER, (slot.name, timeout_s, priority, request_id, dimensions),
+            wire.dumps(items),
+            timeout_s=timeout_s + DEADLINE_GRACE_S, client=client,
+        )  # fmt: skip
+        _, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits = header
+        return wire.decode_outputs(meta, frames), tokens
