@@ -253,6 +253,7 @@ def _run_parts(
         elapsed = time.perf_counter() - started
         compute_s += elapsed
         reader.release()
+        runner.release_memory()  # the part's items are done with: their holes go back
         output = _part_output(part, outputs)
         memory_rejects += len(output.rejects) - len(part.rejects)
         log.info(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -51,6 +52,9 @@ PEAK_NOISE_BYTES = 16 * MiB
 # the plan uses, and it cost a quick job 15% of its time (2.7 s of 18 s for 1,500 inputs on
 # 2 cores); the share left covers the reader's and writer's parts and a prior off by 4x.
 WARM_UP_MEMORY_SHARE = 0.25
+# Longest an input that does not fit waits for the reader and the writer before it is
+# rejected for memory: the next part's tokenizing or the last one's writing, a few seconds.
+ROOM_WAIT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +183,26 @@ class Runner:
             )
         return reading
 
+    def release_memory(self) -> None:
+        """Collect garbage and hand the allocator's free memory back to the kernel: what a
+        finished part's items leave behind would otherwise stay resident, in holes."""
+        gc.collect()
+        settle = getattr(self.probe, "settle", None)
+        if settle is not None:
+            settle()
+
+    def _room_for(self, padded_len: int) -> bool:
+        """Before one input is rejected for memory: wait for the reader and the writer to be
+        done with what they hold (at most ``ROOM_WAIT_S``), release memory, and read again.
+        A squeeze that passes (the next part being tokenized, the last one being written)
+        delays the input instead of rejecting it."""
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while self.reserve.state()[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.release_memory()
+        budget = self.sizer.budget(self.read())
+        return refused_alone(padded_len, budget) is None
+
     def _note_peak(self, reading: MemoryReading, batch_peak: int | None = None) -> None:
         """The host's resident peak since start; on a device, allocated plus a batch's peak."""
         if reading.resident_peak_bytes is not None:
@@ -291,7 +315,7 @@ class Runner:
                 for half in split(batch):
                     self._run(items, list(half), outputs, on_batch)
                 return
-            if refused_alone(padded_len, budget) is not None:
+            if refused_alone(padded_len, budget) is not None and not self._room_for(padded_len):
                 # Past a cgroup's limit the kernel kills the job, and the window with it.
                 self._fail(batch, outputs, f"{padded_len} tokens: predicted to exceed memory")
                 return

@@ -2,6 +2,7 @@
 OOM split, batches split when memory shrinks, and which peaks correct the memory model."""
 
 import math
+import threading
 
 import numpy as np
 
@@ -216,3 +217,36 @@ def test_the_reserve_is_kept_out_of_the_room_a_lone_input_is_refused_by():
     runner = runner_for(FakeEmbedder(), probe, reserve=reserve)
     reserve.set("reader", 4 * 2**20)
     assert runner.read().enforced_free_bytes == 6 * 2**20
+
+
+def test_a_lone_input_squeezed_out_waits_for_the_reader_and_a_release_before_a_refusal():
+    """The next part being tokenized, then the holes a finished part left, take the room one
+    input needs: it waits until the reader is done, memory is released, and it runs."""
+    model = FakeEmbedder()
+    probe = Probe(free_bytes=1, limit=MemoryLimit("cgroup", 2**30, "/x"))
+    reserve = Reserve()
+    busy_at_release = []
+
+    def settle():  # the allocator's free memory handed back: room again
+        busy_at_release.append(reserve.state()[0])
+        probe.free_bytes = 2**30
+
+    probe.settle = settle
+    runner = runner_for(model, probe, reserve=reserve)
+    reader_done = threading.Event()
+
+    def reader():
+        with reserve.busy("reader", 2**20):
+            reader_done.wait(10)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    threading.Timer(0.2, reader_done.set).start()
+    try:
+        outputs = runner.run(model.prepare(["a b c"], truncate=True))
+    finally:
+        reader_done.set()
+        thread.join()
+    assert not isinstance(outputs[0], OutOfMemoryInput), outputs[0]
+    np.testing.assert_allclose(outputs[0], expected_embedding("a b c"))
+    assert busy_at_release == [0]  # released once the reader was no longer busy
