@@ -5,8 +5,10 @@ The adaptive sizer models a forward pass's peak memory above what is in use befo
     peak_bytes(n, L) = alpha * n * L + beta * n * L**2
 
 (n items padded to L tokens: hidden states, Q/K/V and the feed-forward grow with n*L,
-attention scores with n*L**2). It starts from a prior derived from the model's shape and
-corrects alpha and beta from measured peaks, as an upper envelope rather than a mean.
+attention scores with n*L**2; what a batch's items share, a sliding window's token distances,
+is the larger of it and ``shared_beta * L**2``). It starts from a prior derived from the
+model's shape and corrects alpha and beta from measured peaks, as an upper envelope rather
+than a mean.
 """
 
 from __future__ import annotations
