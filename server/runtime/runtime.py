@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -464,12 +464,7 @@ class Runtime:
         ``ClientDisconnected``. ``dimensions`` cuts each embedding to its first values
         (renormalised when the model normalises). Inputs found in the output cache are
         answered from it, and an input equal to one in flight waits for that one."""
-        if self.draining:
-            raise draining()
-        if not self.ready:
-            raise not_ready()
-        slot = self.slot(model)
-        with self.work.request():
+        with self._admitted(model) as slot:
             return await self._infer(
                 slot, inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
                 priority=priority, query=query, prompt=prompt,
@@ -477,6 +472,18 @@ class Runtime:
                 truncation_direction=truncation_direction,
                 dimensions=dimensions,
             )  # fmt: skip
+
+    @contextlib.contextmanager
+    def _admitted(self, model: str | None) -> Iterator[ModelSlot]:
+        """A request for ``model`` (None: the default) admitted: refused while draining or
+        not ready, counted in the work in progress while it runs."""
+        if self.draining:
+            raise draining()
+        if not self.ready:
+            raise not_ready()
+        slot = self.slot(model)
+        with self.work.request():
+            yield slot
 
     async def _infer(
         self, slot: ModelSlot, inputs: Sequence[str], *, truncate: bool, timeout_s: float,
@@ -515,12 +522,7 @@ class Runtime:
         """As ``infer``, for inputs already prepared (tokenized) elsewhere: the API processes
         in front of this engine (``server/engine/``). The output cache and the sharing of
         computations in flight apply as in ``infer``: they live here, with the queue."""
-        if self.draining:
-            raise draining()
-        if not self.ready:
-            raise not_ready()
-        slot = self.slot(model)
-        with self.work.request():
+        with self._admitted(model) as slot:
             return await self._queue_and_wait(
                 slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
                 trace=trace if trace is not None else RequestTrace(), client=client,
