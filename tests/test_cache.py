@@ -10,7 +10,8 @@ import pytest
 
 from models import Item, Tokens
 from server import Settings, create_app
-from server.cache import ENTRY_OVERHEAD_BYTES, OutputStore, cache_key, stored_value
+from batching import Pending, RequestQueue
+from server.cache import ENTRY_OVERHEAD_BYTES, InputCache, OutputStore, cache_key, stored_value
 from server.errors import ApiError
 from server.runtime import ClientDisconnected
 from tests.fakes import ScriptedModel
@@ -89,6 +90,41 @@ def test_every_part_of_what_the_model_reads_is_in_the_key():
 def test_item_data_of_an_unknown_kind_is_never_cached():
     assert cache_key("m", Item(data=[1, 2, 3], cost=3), None) is None
     assert cache_key("m", Item(data="text", cost=3), None) is not None
+
+
+# --- the table of computations in flight ---
+
+
+async def test_an_equal_input_arriving_as_its_computation_finishes_joins_it(registry):
+    """Between the batcher setting a computation's result and the loop running its done
+    callback, an equal input still joins it: it is neither computed again nor lost."""
+    loop = asyncio.get_running_loop()
+    cache = InputCache(registry, max_bytes=1 << 20, deduplicate=True, queue=RequestQueue(8))
+    cache.add_model("m")
+
+    def admit(ids=(101, 7, 102)):
+        return cache.admit(
+            loop, "m", [_item(ids)], dimensions=None, priority=0, deadline_s=1e9,
+            make_pending=lambda item, index: Pending(item, loop.create_future(), 0.0, 1e9),
+            finish=lambda output: output,
+        )  # fmt: skip
+
+    first = admit()
+    first.queued[0].future.set_result(np.ones(4, dtype=np.float32))  # its callback not run yet
+    second = admit()
+    assert second.queued == []  # joined, not queued again
+    results = await asyncio.gather(*first.futures, *second.futures)
+    assert all(np.array_equal(result, np.ones(4)) for result in results)
+    assert cache.in_flight() == 0
+    third = admit()  # now a hit from the store
+    assert third.queued == [] and third.hits == 1
+    # A cancelled computation (its last waiter gone) is not joined: the newcomer runs anew.
+    cancelled = admit((101, 8, 102))
+    assert cache.release(cancelled) == cancelled.queued
+    again = admit((101, 8, 102))
+    assert len(again.queued) == 1 and not again.futures[0].done()
+    again.queued[0].future.set_result(np.zeros(4, dtype=np.float32))
+    assert np.array_equal(await again.futures[0], np.zeros(4))
 
 
 # --- in a replica over a scripted model ---

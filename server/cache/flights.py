@@ -26,7 +26,7 @@ log = logging.getLogger("batchfit")
 class Flight:
     """One computation and the futures waiting for its (finished) output."""
 
-    __slots__ = ("_finish", "_on_value", "_table", "key", "pending", "waiters")
+    __slots__ = ("_finish", "_on_value", "_settled", "_table", "key", "pending", "waiters")
 
     def __init__(
         self, key: CacheKey | None, pending: Pending, *,
@@ -39,12 +39,16 @@ class Flight:
         self._finish = finish
         self._on_value = on_value
         self._table = table
+        self._settled = False
         pending.future.add_done_callback(self._done)
 
     @property
     def open(self) -> bool:
-        """Not finished yet: a new waiter may still join."""
-        return not self.pending.future.done()
+        """A new waiter may still join: its waiters are not settled yet and the computation
+        was not cancelled. A computation that has just finished stays open until the loop
+        runs its done callback, which hands the output to every waiter joined by then (an
+        equal input arriving in that gap would otherwise run again)."""
+        return not self._settled and not self.pending.future.cancelled()
 
     def join(self, waiter: asyncio.Future[Any], *, priority: int, deadline_s: float) -> bool:
         """Add ``waiter``; return whether the priority rose (the queue must re-sort it)."""
@@ -60,12 +64,13 @@ class Flight:
             self.waiters.remove(waiter)
         except ValueError:
             return False
-        if not self.waiters and self.open:
+        if not self.waiters and not self.pending.future.done():
             self.pending.future.cancel()
             return True
         return False
 
     def _done(self, future: asyncio.Future[Any]) -> None:
+        self._settled = True
         if self._table is not None and self._table.get(self.key) is self:  # type: ignore[arg-type]
             del self._table[self.key]  # type: ignore[arg-type]
         waiters, self.waiters = self.waiters, []
