@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
+from batching import Pending, RequestQueue
 from models import Item, Tokens
 from server import Settings, create_app
-from batching import Pending, RequestQueue
 from server.cache import ENTRY_OVERHEAD_BYTES, InputCache, OutputStore, cache_key, stored_value
 from server.errors import ApiError
 from server.runtime import ClientDisconnected
