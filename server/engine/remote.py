@@ -134,9 +134,9 @@ class RemoteRuntime:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self._heard = asyncio.Event()
         loop.add_reader(self._stdin_fd, self._stdin_readable)
         await self._tokenizer.call(int)
-        self._heard = asyncio.Event()
         sock = socket.socket(fileno=self._link_fd)
         self._link = await Link.open(sock, self._handle, self._link_lost)
         self._send(wire.HELLO, (self._index,))
@@ -147,6 +147,8 @@ class RemoteRuntime:
         503 ``not_ready`` beside others that are ready."""
         while self._heard is None:  # the lifespan's start-up task has not run yet
             await asyncio.sleep(0.001)
+        if self.engine_lost:  # gone already: stop now, not after the timeout
+            return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._heard.wait(), timeout_s)
 
@@ -186,6 +188,8 @@ class RemoteRuntime:
                   len(self._pending))  # fmt: skip
         self.engine_lost = True
         self._fail_pending(engine_gone())
+        if self._heard is not None:  # a start-up waiting for the engine's first word ends
+            self._heard.set()
         self._on_exit(1)
 
     def _fail_pending(self, error: Exception) -> None:
