@@ -35,13 +35,14 @@ LOOSE_LIMIT = 900 * MiB  # at start-up, so that warm-up plans within it: seconds
 WORDS = ["memory", "batch", "split", "token", "model", "server", "queue", "latency", "budget"]
 
 
-def burst_requests(seed: int = 12) -> list[list[str]]:
-    """48 requests x 8 inputs from 24 long texts (cut to 256 tokens) and 12 short ones."""
+def burst_requests(seed: int = 12, count: int = 48) -> list[list[str]]:
+    """``count`` requests x 8 inputs from 24 long texts (cut to 256 tokens) and 12 short
+    ones."""
     rng = random.Random(seed)
     long = [" ".join(rng.choice(WORDS) for _ in range(300)) for _ in range(24)]
     short = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(12)]
     requests = []
-    for i in range(48):
+    for i in range(count):
         inputs = [long[(7 * i + j) % len(long)] for j in range(7)]
         inputs.insert(i % 8, short[i % len(short)])
         requests.append(inputs)
