@@ -143,12 +143,17 @@ class WarmUpPlanner:
         elif (
             num_items >= 4
             and not self._scouted
-            and (self._index == 0 or (scout and fits < self._cap))
+            and (self._index == 0 or (scout and fits < self._cap_at(budget, length)))
         ):
             step = CalibrationStep(num_items // 4, length, "scout")
         else:
             step = CalibrationStep(num_items, length)
         return self._within_bound(step, elapsed_s)
+
+    def _cap_at(self, budget: BatchBudget, length: int) -> int:
+        """The batch the caps alone allow at ``length``: memory sets a batch smaller than
+        this (only then is a scout worth its time)."""
+        return min(self._cap, budget.max_items, max(1, budget.max_tokens // length))
 
     def _within_bound(self, step: CalibrationStep, elapsed_s: float) -> CalibrationStep | None:
         if self._fits_bound(step, elapsed_s):

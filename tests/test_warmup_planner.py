@@ -142,6 +142,20 @@ def test_where_the_limit_kills_a_quarter_batch_scouts_each_length_memory_sets():
     ]  # fmt: skip
 
 
+def test_where_the_token_cap_sets_the_batch_no_scout_runs_past_the_first_length():
+    """Memory far from binding (the token cap sets every batch): a scout would only cost
+    time, even where going past the limit kills."""
+    planner = WarmUpPlanner(max_length=256, max_items=128, timeout_s=10**6)
+    steps, elapsed = [], 0.0
+    while step := planner.next_step(budget(2**40), elapsed_s=elapsed, scout=True):
+        steps.append(step)
+        planner.ran(step, 0.01)
+    assert shapes(steps) == [
+        (32, 32, "scout"), (128, 32, "batch"), (32, 128, "batch"), (16, 256, "batch"),
+        (1, 256, "alone"),
+    ]  # fmt: skip
+
+
 def test_an_oom_halves_the_batch_and_a_lone_one_ends_warm_up():
     planner = WarmUpPlanner(max_length=8192, max_items=128, timeout_s=10**6)
     steps = run(planner, lambda _: budget(), oom={(8, 512), (1, 8192)})
