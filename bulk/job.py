@@ -161,6 +161,7 @@ def run_job(
     inputs = [dataclasses.asdict(f) for f in files]
     manifest = Manifest.open(Path(spec.out), identity, inputs, overwrite=spec.overwrite)
     stop, go = threading.Event(), threading.Event()
+    runner: Runner | None = None
     try:
         if manifest.parts:
             log.info("resuming: %d parts finished earlier are skipped", len(manifest.parts))
@@ -193,6 +194,9 @@ def run_job(
         _log_memory_limit(runner)
         log.info("warming up: the largest batches the memory budget allows")
         runner.warm_up()
+        lanes = runner.use_lanes(_torch_threads()) if info.device == "cpu" else None
+        if lanes is not None:
+            log.info("forward passes: %s (memory cannot bind them)", lanes)
         go.set()
         try:
             skipped, compute_s, memory_rejects = _run_parts(
@@ -209,6 +213,8 @@ def run_job(
     finally:
         stop.set()
         go.set()  # a reader still waiting to start sees the stop and ends
+        if runner is not None:
+            runner.close()
         progress.close()
         manifest.close()
     stats = runner.stats
@@ -219,6 +225,12 @@ def run_job(
         tokens=stats.tokens, peak_bytes=stats.peak_bytes, oom_splits=stats.oom_splits,
         parts_written=writer.written, parts_skipped=skipped,
     )  # fmt: skip
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _run_parts(

@@ -36,6 +36,7 @@ from batching import (
 )
 from models import Item, Model, ModelOutOfMemory
 
+from .lanes import Lanes, lane_shape
 from .plan import plan_window, time_prior
 
 log = logging.getLogger("batchfit.bulk")
@@ -160,6 +161,9 @@ class Runner:
         self.reserve = reserve or Reserve()
         self.oom_split = oom_split
         self.stats = RunStats()
+        self.lanes: Lanes | None = None
+        """Passes side by side (``use_lanes``); None: one at a time, on the calling thread."""
+        self._guard = threading.RLock()  # the sizer and the stats, between lanes
         info = model.info
         self.device_type = info.device.partition(":")[0]
         self.time_prior = time_prior(
@@ -200,7 +204,8 @@ class Runner:
         while self.reserve.state()[0] and time.monotonic() < deadline:
             time.sleep(0.05)
         self.release_memory()
-        budget = self.sizer.budget(self.read())
+        with self._guard:
+            budget = self.sizer.budget(self.read())
         return refused_alone(padded_len, budget) is None
 
     def _note_peak(self, reading: MemoryReading, batch_peak: int | None = None) -> None:
@@ -252,10 +257,26 @@ class Runner:
         log.info("warm-up: %s in %.1fs", report.describe(), report.elapsed_s)
         return report
 
-    def caps_bind(self, reading: MemoryReading | None) -> str | None:
+    def use_lanes(self, num_threads: int) -> str | None:
+        """On a CPU, run passes side by side (``lanes``) where memory cannot bind even the
+        largest batch the caps allow once per lane; say how, or None where they do not run."""
+        num_lanes, per_lane = lane_shape(num_threads)
+        if self.device_type != "cpu" or num_lanes < 2:
+            return None
+        if self.caps_bind(self.read(), batches=num_lanes) is None:
+            return None
+        self.lanes = Lanes(num_lanes, per_lane)
+        return f"{num_lanes} passes at a time, {per_lane} torch thread{'s' * (per_lane > 1)} each"
+
+    def close(self) -> None:
+        if self.lanes is not None:
+            self.lanes.close()
+
+    def caps_bind(self, reading: MemoryReading | None, *, batches: int = 1) -> str | None:
         """Why memory cannot bind any batch (None where it may, or no probe can tell): the
         largest batch the caps allow at any length, as the sizer predicts its peak, is
-        within ``WARM_UP_MEMORY_SHARE`` of the memory budget now."""
+        within ``WARM_UP_MEMORY_SHARE`` of the memory budget now (``batches`` of them at
+        once, for lanes)."""
         if reading is None or reading.free_bytes is None:
             return None
         free = reading.free_bytes
@@ -270,7 +291,7 @@ class Runner:
             for length in range(1, self.model.info.max_input_tokens + 1)
             for n in [max(1, min(config.max_items, config.max_tokens // length))]
         )
-        if peak > WARM_UP_MEMORY_SHARE * budget:
+        if batches * peak > WARM_UP_MEMORY_SHARE * budget:
             return None
         return (
             f"the largest batch the caps allow ({shape[0]} x {shape[1]} tokens) is predicted "
@@ -279,8 +300,10 @@ class Runner:
         )
 
     def _forward(self, items: Sequence[Item], *, settle: bool = False) -> tuple[list[Any], Any]:
+        # Side by side, a pass's peak is the process's, its neighbour's included: not measured.
+        probe = self.probe if self.lanes is None else None
         return measured_forward(
-            self.model.forward, items, probe=self.probe, oom_errors=(ModelOutOfMemory,),
+            self.model.forward, items, probe=probe, oom_errors=(ModelOutOfMemory,),
             settle=settle,
         )  # fmt: skip
 
@@ -293,7 +316,11 @@ class Runner:
         costs = [item.cost for item in items]
         budget = self.sizer.budget(self.read())
         self.stats.budget = budget
-        for batch in plan_window(costs, budget, self.time_prior.predict):
+        batches = plan_window(costs, budget, self.time_prior.predict)
+        if self.lanes is not None:
+            self.lanes.run(batches, lambda batch: self._run(items, batch, outputs, on_batch))
+            return outputs
+        for batch in batches:
             self._run(items, batch, outputs, on_batch)
         return outputs
 
@@ -307,31 +334,38 @@ class Runner:
         """Run ``batch`` (indices into ``items``); split it first where memory has shrunk
         since the window was planned, and on OOM, down to one input."""
         padded_len = max(items[i].cost for i in batch)
-        reading = self.read()
-        budget = self.sizer.budget(reading)
-        if not budget.fits(len(batch), padded_len):
+        with self._guard:
+            reading = self.read()
+            budget = self.sizer.budget(reading)
+            fits = budget.fits(len(batch), padded_len)
+        if not fits:
             if len(batch) > 1:
-                self.stats.budget_splits += 1
+                with self._guard:
+                    self.stats.budget_splits += 1
                 for half in split(batch):
                     self._run(items, list(half), outputs, on_batch)
                 return
             if refused_alone(padded_len, budget) is not None and not self._room_for(padded_len):
                 # Past a cgroup's limit the kernel kills the job, and the window with it.
-                self._fail(batch, outputs, f"{padded_len} tokens: predicted to exceed memory")
+                with self._guard:
+                    self._fail(batch, outputs, f"{padded_len} tokens: predicted to exceed memory")
                 return
         started = time.perf_counter()
         before = self.reserve.state()
         try:
-            results, peak = self._forward([items[i] for i in batch])
+            results, peak = self._forward([items[i] for i in batch])  # the lanes' one overlap
         except ModelOutOfMemory:
-            self.sizer.on_oom(len(batch), padded_len)
+            with self._guard:
+                self.sizer.on_oom(len(batch), padded_len)
             if len(batch) == 1 or not self.oom_split:
                 log.warning(
                     "batch of %d x %d tokens does not fit in memory", len(batch), padded_len
                 )
-                self._fail(batch, outputs, f"{padded_len} tokens: out of memory even alone")
+                with self._guard:
+                    self._fail(batch, outputs, f"{padded_len} tokens: out of memory even alone")
                 return
-            self.stats.oom_splits += 1
+            with self._guard:
+                self.stats.oom_splits += 1
             log.info("batch of %d x %d tokens ran out of memory; splitting", len(batch), padded_len)
             for half in split(batch):
                 self._run(items, list(half), outputs, on_batch)
@@ -341,24 +375,25 @@ class Runner:
             raise RuntimeError(f"the model returned {len(results)} outputs for {len(batch)} inputs")
         for index, result in zip(batch, results, strict=True):
             outputs[index] = result
+        with self._guard:
+            self._observed(reading, before, peak, len(batch), padded_len, elapsed)
+            tokens = sum(items[i].cost for i in batch)
+            stats = self.stats
+            stats.batches += 1
+            stats.inputs += len(batch)
+            stats.tokens += tokens
+            stats.padded_tokens += len(batch) * padded_len
+            if on_batch is not None:
+                on_batch(len(batch), tokens)
+
+    def _observed(
+        self, reading: MemoryReading | None, before: tuple[int, int], peak: int | None,
+        num_items: int, padded_len: int, elapsed: float,
+    ) -> None:  # fmt: skip
         if reading is not None:
             self._note_peak(reading, peak)
-        self.sizer.observe(
-            BatchOutcome(
-                len(batch),
-                padded_len,
-                elapsed,
-                self._evidence(before, peak, len(batch), padded_len),
-            )
-        )
-        tokens = sum(items[i].cost for i in batch)
-        stats = self.stats
-        stats.batches += 1
-        stats.inputs += len(batch)
-        stats.tokens += tokens
-        stats.padded_tokens += len(batch) * padded_len
-        if on_batch is not None:
-            on_batch(len(batch), tokens)
+        evidence = self._evidence(before, peak, num_items, padded_len)
+        self.sizer.observe(BatchOutcome(num_items, padded_len, elapsed, evidence))
 
     def _evidence(
         self, before: tuple[int, int], peak: int | None, num_items: int, padded_len: int
