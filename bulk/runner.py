@@ -1,4 +1,5 @@
-"""The model loop of a bulk job: warm-up, then each window's batches, on the calling thread.
+"""The model loop of a bulk job: warm-up, then each window's batches, on the calling thread
+(and, on a CPU where memory cannot bind them, its lanes beside it: ``lanes.py``).
 
 Not the server's ``Batcher``: that one serves a queue of requests that arrive over time
 (deadlines, priorities, futures, the oldest item first). A bulk job knows a whole window in
@@ -144,7 +145,7 @@ def make_sizer(model: Model, *, max_items: int, max_tokens: int, headroom: float
 
 class Runner:
     """Runs windows of items through ``model.forward`` on the calling thread, which must be
-    the only one that ever runs a forward pass."""
+    the only one that ever runs a forward pass, apart from the runner's own lanes."""
 
     def __init__(
         self,
