@@ -8,7 +8,7 @@ a time on 2 threads, 248 to 250 for two at a time on 1 thread each.
 
 A lane is one thread that runs every pass handed to it for the whole job (the calling thread
 is the first lane): torch loses 30-40% when its passes hop between threads. Lanes are used
-only where memory cannot bind any batch (``Runner.lanes_for``), so that two batches in
+only where memory cannot bind any batch (``Runner.use_lanes``), so that two batches in
 flight at once never need more than the budget.
 """
 
