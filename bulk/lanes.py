@@ -3,8 +3,9 @@
 On a CPU, one forward pass on every core loses to the same cores split between passes that
 run at once: a pass on one thread needs no barrier between its threads after each operator,
 and the small matrices of a small model spread badly over many. Measured with the bundled
-model on 2 cores, sorted batches of 16 of a mixed corpus: 196 to 204 inputs/s for one pass at
-a time on 2 threads, 248 to 250 for two at a time on 1 thread each.
+model on 2 cores, sorted batches of 16 of a mixed corpus (``python -m bench.lanes``): 201 and
+245 inputs/s for one pass at a time on 2 threads, 264 and 282 for two at a time on 1 thread
+each.
 
 A lane is one thread that runs every pass handed to it for the whole job (the calling thread
 is the first lane): torch loses 30-40% when its passes hop between threads. Lanes are used

@@ -83,7 +83,9 @@ def serve_burst_under(
 
 def test_a_limit_set_on_a_running_replica_binds_from_the_next_batch(tmp_path):
     with child_cgroup("running") as cgroup:
-        cgroup.set_limit(LOOSE_LIMIT)  # warm-up plans within it: seconds, not minutes
+        # Loose enough that the limit set once it runs binds tighter; warm-up plans within
+        # it (each of its full batches fills the room: about 5 s of CPU each at 900 MiB).
+        cgroup.set_limit(LOOSE_LIMIT - 200 * MiB)
         with run_server(tmp_path, *CAPS, preexec=cgroup.join) as server:
             assert cgroup.pids() == [server.process.pid]
             usage = cgroup.usage()
