@@ -194,7 +194,7 @@ def run_job(
         _log_memory_limit(runner)
         log.info("warming up: the largest batches the memory budget allows")
         runner.warm_up()
-        lanes = runner.use_lanes(_torch_threads()) if info.device == "cpu" else None
+        lanes = runner.use_lanes()
         if lanes is not None:
             log.info("forward passes: %s (memory cannot bind them)", lanes)
         go.set()
@@ -225,12 +225,6 @@ def run_job(
         tokens=stats.tokens, peak_bytes=stats.peak_bytes, oom_splits=stats.oom_splits,
         parts_written=writer.written, parts_skipped=skipped,
     )  # fmt: skip
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _run_parts(

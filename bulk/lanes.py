@@ -50,7 +50,7 @@ class Lanes:
             self._work.append(work)
             self._threads.append(thread)
             thread.start()
-        self._threads_before = _get_threads()  # the calling thread's, restored by ``close``
+        self._threads_before = torch_threads()  # the calling thread's, restored by ``close``
         _set_threads(threads_per_lane)
 
     def run(self, tasks: Sequence[T], run_one: Callable[[T], None]) -> None:
@@ -115,7 +115,7 @@ def _then(first: Callable[[], None], after: Callable[[], None]) -> None:
         after()
 
 
-def _get_threads() -> int:
+def torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()

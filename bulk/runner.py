@@ -37,7 +37,7 @@ from batching import (
 )
 from models import Item, Model, ModelOutOfMemory
 
-from .lanes import Lanes, lane_shape
+from .lanes import Lanes, lane_shape, torch_threads
 from .plan import plan_window, time_prior
 
 log = logging.getLogger("batchfit.bulk")
@@ -258,10 +258,11 @@ class Runner:
         log.info("warm-up: %s in %.1fs", report.describe(), report.elapsed_s)
         return report
 
-    def use_lanes(self, num_threads: int) -> str | None:
+    def use_lanes(self, num_threads: int | None = None) -> str | None:
         """On a CPU, run passes side by side (``lanes``) where memory cannot bind even the
-        largest batch the caps allow once per lane; say how, or None where they do not run."""
-        num_lanes, per_lane = lane_shape(num_threads)
+        largest batch the caps allow once per lane; say how, or None where they do not run.
+        ``num_threads``: what the passes may use (default: torch's thread count)."""
+        num_lanes, per_lane = lane_shape(num_threads or torch_threads())
         if self.device_type != "cpu" or num_lanes < 2:
             return None
         if self.caps_bind(self.read(), batches=num_lanes) is None:

@@ -147,8 +147,6 @@ class RemoteRuntime:
         503 ``not_ready`` beside others that are ready."""
         while self._heard is None:  # the lifespan's start-up task has not run yet
             await asyncio.sleep(0.001)
-        if self.engine_lost:  # gone already: stop now, not after the timeout
-            return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._heard.wait(), timeout_s)
 
@@ -188,8 +186,8 @@ class RemoteRuntime:
                   len(self._pending))  # fmt: skip
         self.engine_lost = True
         self._fail_pending(engine_gone())
-        if self._heard is not None:  # a start-up waiting for the engine's first word ends
-            self._heard.set()
+        if self._heard is not None:  # a start-up waiting for the engine's first word ends,
+            self._heard.set()  # even if the engine died before it began to wait
         self._on_exit(1)
 
     def _fail_pending(self, error: Exception) -> None:
