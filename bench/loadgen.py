@@ -22,6 +22,8 @@ import orjson
 
 CLIENTS = ("aiohttp", "httpx")
 Post = Callable[[bytes], Awaitable[int]]
+IN_TURN = "c=1, in turn"
+"""The load ``in_turn`` puts on each server: one client, whose requests alternate between them."""
 """Sends one body; returns the status, 0 for a transport error or a timeout."""
 
 
@@ -138,6 +140,35 @@ async def closed_loop(
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
         wall = time.perf_counter() - started
     return RunResult(outcomes, wall)
+
+
+async def in_turn(
+    urls: Sequence[str],
+    requests: Sequence[Sequence[str]],
+    *,
+    max_duration_s: float,
+    timeout_s: float = 60.0,
+    client: str = "aiohttp",
+) -> list[RunResult]:
+    """One client per server; each request goes to every server in turn, one at a time, the
+    first of them rotating from one request to the next. So servers compared at one client
+    see the same moments of a host whose speed drifts. One ``RunResult`` per url, in order,
+    its wall time the time its own requests took (the time the client spent on that server)."""
+    bodies = encode_bodies(requests)
+    counts = [len(r) for r in requests]
+    outcomes: list[list[Outcome]] = [[] for _ in urls]
+    async with contextlib.AsyncExitStack() as stack:
+        posts = [await stack.enter_async_context(_client(client, url, 1, timeout_s))
+                 for url in urls]  # fmt: skip
+        started = time.perf_counter()
+        stop_at = started + max_duration_s
+        for i, body in enumerate(bodies):
+            if time.perf_counter() >= stop_at:
+                break
+            for k in range(len(urls)):
+                which = (i + k) % len(urls)
+                outcomes[which].append(await _send(posts[which], body, counts[i], started))
+    return [RunResult(mine, sum(o.latency_s for o in mine)) for mine in outcomes]
 
 
 async def open_loop(

@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from .loadgen import IN_TURN
 from .runner import BenchResult
 from .sampler import batch_size_series
 from .stats import LoadSummary
@@ -117,6 +118,7 @@ def baseline_table(result: BenchResult) -> list[str]:
     """The no-batching server and adaptive with each load generator."""
     rows = [
         *[s for s in result.idle.values() if s.config == "adaptive"],
+        *result.beside_no_batching,
         *result.other_clients,
         *result.no_batching,
     ]
@@ -126,10 +128,14 @@ def baseline_table(result: BenchResult) -> list[str]:
         "## Against a server without batching, and with another client",
         "",
         "The no-batching server is the bundled model behind a FastAPI endpoint and one model "
-        "thread, each request's inputs one forward pass, with torch's and OpenMP's defaults "
-        "(`bench/baselines.py`). The one-client levels send the single-input requests of the "
-        "idle level; the others the workload above. The load generator's own CPU is part of "
-        "what it measures: httpx costs more per request than aiohttp.",
+        "thread, each request's inputs one forward pass, with torch's defaults and the "
+        "server's OpenMP spin (`bench/baselines.py`). The one-client levels send the "
+        "single-input requests of the idle level; the others the workload above. "
+        f"`{IN_TURN}`: one client sends each request to adaptive and to the no-batching "
+        "server, one after the other (which goes first alternates), so the two are measured "
+        "at the same moments; their inputs/s count the time spent on that server. The load "
+        "generator's own CPU is part of what it measures: httpx costs more per request than "
+        "aiohttp.",
         "",
         "| server | load | client | inputs/s | p50 ms | p90 ms | p99 ms | CPU ms/input | errors |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
@@ -152,10 +158,15 @@ def _limit_drift(result: BenchResult) -> list[str]:
     )
     return [
         f"The limit measured again just before each configuration's highest level: {again} "
-        "inputs/s. The saturation targets compare adaptive with the limit measured just "
-        "before it.",
+        f"inputs/s{_after(result)}. The saturation targets compare adaptive with the limit "
+        "measured around its highest level.",
         "",
     ]
+
+
+def _after(result: BenchResult) -> str:
+    after = result.limit_after_top.get("adaptive")
+    return "" if after is None else f"; just after adaptive's, {after.inputs_per_s:.1f}"
 
 
 def target_table(rows: Sequence[Target]) -> str:

@@ -15,7 +15,7 @@ import httpx
 from . import wrk
 from .baselines import BARE_APP, NO_BATCHING_APP
 from .limit import Batch1Timer, LimitResult, measure_limit
-from .loadgen import CLIENTS, RunResult, closed_loop, encode_bodies, open_loop
+from .loadgen import CLIENTS, IN_TURN, RunResult, closed_loop, encode_bodies, in_turn, open_loop
 from .plain import load_plain_encoder
 from .sampler import Sample, Sampler
 from .servers import Replica, start_baseline, start_replicas
@@ -108,6 +108,9 @@ class BenchResult:
     limit_before_top: dict[str, LimitResult] = field(default_factory=dict)
     """By configuration: the limit measured again just before its highest load level, so
     that the saturation ratio does not compare moments minutes apart on a noisy host."""
+    limit_after_top: dict[str, LimitResult] = field(default_factory=dict)
+    """Adaptive's: the limit measured again just after its highest load level (not in the
+    quick mode)."""
     batch1_p50_s: dict[str, float] = field(default_factory=dict)
     """By configuration: the median in-process forward of one input alone, timed between
     that configuration's one-client requests on the same inputs."""
@@ -117,6 +120,9 @@ class BenchResult:
     """The bare stack's levels, under the same load as the no-op model's, interleaved."""
     no_batching: list[LoadSummary] = field(default_factory=list)
     """The no-batching server: one client with each load generator, and the highest level."""
+    beside_no_batching: list[LoadSummary] = field(default_factory=list)
+    """Adaptive's one-client levels, each request sent to it and to the no-batching server
+    in turn (load ``IN_TURN``), one per load generator."""
     other_clients: list[LoadSummary] = field(default_factory=list)
     """Adaptive's one-client and highest levels with the load generators after the first."""
     timeline_config: str = ""
@@ -168,9 +174,16 @@ def run_bench(options: BenchOptions, *, progress: Callable[[str], None] = log.in
                 _run_config(result, replica, config, levels, requests, singles, spec,
                             Batch1Timer(encoder, [r[0] for r in singles]), measure,
                             timeline=config == timeline_config, progress=progress)  # fmt: skip
-    if options.baselines:
+            if options.baselines and "adaptive" in group:
+                # While adaptive's replica is still up: one client in turn with both.
+                progress("the no-batching server, beside adaptive")
+                adaptive = replicas[group.index("adaptive")]
+                result.no_batching, result.beside_no_batching = measure_no_batching(
+                    options, requests, singles, beside=adaptive, progress=progress
+                )
+    if options.baselines and not result.no_batching:
         progress("the no-batching server")
-        result.no_batching = measure_no_batching(options, requests, singles, progress=progress)
+        result.no_batching, _ = measure_no_batching(options, requests, singles, progress=progress)
     if options.overhead_requests:
         progress("server overhead with the no-op model")
         result.overhead, result.bare = measure_overhead(options, spec, progress=progress)
@@ -183,19 +196,35 @@ def measure_no_batching(
     requests: list[list[str]],
     singles: list[list[str]],
     *,
+    beside: Replica | None = None,
     progress: Callable[[str], None] = log.info,
-) -> list[LoadSummary]:
+) -> tuple[list[LoadSummary], list[LoadSummary]]:
     """The bundled model behind a plain FastAPI endpoint and one model thread: one client
-    with each load generator, then the highest level with the first."""
-    rows = []
+    with each load generator, then the highest level with the first. With ``beside`` (the
+    adaptive replica, idle), its one-client requests go to both servers in turn (``in_turn``),
+    so that the two are compared at the same moments. Returns the no-batching server's rows
+    and, with ``beside``, adaptive's one-client rows measured in turn with it."""
+    rows, paired = [], []
     with start_baseline(NO_BATCHING_APP) as server:
         asyncio.run(_warm_up(server.url, requests))
         for client in options.clients:
-            run = asyncio.run(closed_loop(server.url, singles, concurrency=1, client=client,
-                                          max_duration_s=options.max_level_s))  # fmt: skip
-            rows.append(summarize(NO_BATCHING, "idle c=1", run.outcomes, run.wall_s,
+            if beside is None:
+                run = asyncio.run(closed_loop(server.url, singles, concurrency=1, client=client,
+                                              max_duration_s=options.max_level_s))  # fmt: skip
+                rows.append(summarize(NO_BATCHING, "idle c=1", run.outcomes, run.wall_s,
+                                      client=client))  # fmt: skip
+                progress(f"no batching, one {client} client: p50 {rows[-1].p50_s * 1e3:.2f} ms")
+                continue
+            ours, theirs = asyncio.run(in_turn([beside.url, server.url], singles, client=client,
+                                               max_duration_s=options.max_level_s))  # fmt: skip
+            paired.append(summarize("adaptive", IN_TURN, ours.outcomes, ours.wall_s,
+                                    client=client))  # fmt: skip
+            rows.append(summarize(NO_BATCHING, IN_TURN, theirs.outcomes, theirs.wall_s,
                                   client=client))  # fmt: skip
-            progress(f"no batching, one {client} client: p50 {rows[-1].p50_s * 1e3:.2f} ms")
+            progress(
+                f"one {client} client in turn: p50 adaptive {paired[-1].p50_s * 1e3:.2f} ms, "
+                f"no batching {rows[-1].p50_s * 1e3:.2f} ms"
+            )
         if options.concurrency:
             top = max(options.concurrency)
             cpu_before = server.cpu_seconds()
@@ -206,7 +235,7 @@ def measure_no_batching(
             rows.append(summarize(NO_BATCHING, f"c={top}", run.outcomes, run.wall_s,
                                   cpu_s=cpu_s, client=options.clients[0]))  # fmt: skip
             progress(f"no batching c={top}: {rows[-1].inputs_per_s:.1f} inputs/s")
-    return rows
+    return rows, paired
 
 
 def _cpu_delta(before: float | None, after: float | None) -> float | None:
@@ -306,6 +335,11 @@ def _run_config(
             f"{config} {level}: {summary.inputs_per_s:.1f} inputs/s, "
             f"p99 {summary.p99_s * 1e3:.1f} ms, errors {summary.errors or 'none'}"
         )
+    if config == "adaptive" and not options.quick:
+        # The limit again just after, so that the saturation ratio is set against the limit
+        # on either side of the level (the same batches moved by half within one run).
+        limit = result.limit_after_top[config] = measure_limit_now()
+        progress(f"limit after {config} {levels[-1]}: {limit.inputs_per_s:.1f} inputs/s")
     if config == "adaptive":
         _run_other_clients(result, replica, requests, singles, options, progress=progress)
 
@@ -319,14 +353,18 @@ def _run_other_clients(
     *,
     progress: Callable[[str], None],
 ) -> None:
-    """Adaptive's one-client level and its highest closed-loop level again, with each load
-    generator after the first (its own CPU is part of what it measures)."""
+    """Adaptive's highest closed-loop level again, with each load generator after the first
+    (its own CPU is part of what it measures), and its one-client level where the
+    no-batching server's comparison (in turn, with every client) does not measure it."""
     for client in options.clients[1:]:
-        idle = asyncio.run(closed_loop(replica.url, singles, concurrency=1, client=client,
-                                       max_duration_s=options.max_level_s))  # fmt: skip
-        result.other_clients.append(
-            summarize("adaptive", "idle c=1", idle.outcomes, idle.wall_s, client=client)
-        )
+        if not options.baselines:
+            idle = asyncio.run(closed_loop(replica.url, singles, concurrency=1, client=client,
+                                           max_duration_s=options.max_level_s))  # fmt: skip
+            result.other_clients.append(
+                summarize("adaptive", "idle c=1", idle.outcomes, idle.wall_s, client=client)
+            )
+            progress(f"adaptive, one {client} client: p50 "
+                     f"{result.other_clients[-1].p50_s * 1e3:.2f} ms")  # fmt: skip
         if not options.concurrency:
             continue
         top = max(options.concurrency)
@@ -337,10 +375,7 @@ def _run_other_clients(
         summary = summarize("adaptive", f"c={top}", run.outcomes, run.wall_s, cpu_s=cpu_s,
                             client=client)  # fmt: skip
         result.other_clients.append(summary)
-        progress(
-            f"adaptive with {client}: one-client p50 {result.other_clients[-2].p50_s * 1e3:.2f}"
-            f" ms, c={top} {summary.inputs_per_s:.1f} inputs/s"
-        )
+        progress(f"adaptive with {client}: c={top} {summary.inputs_per_s:.1f} inputs/s")
 
 
 def _run_level(

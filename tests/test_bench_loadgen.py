@@ -8,7 +8,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from bench.loadgen import CLIENTS, closed_loop, open_loop
+from bench.loadgen import CLIENTS, closed_loop, in_turn, open_loop
 
 
 @pytest.fixture
@@ -106,3 +106,42 @@ async def test_open_loop_sends_at_the_given_times_without_waiting_for_answers():
 async def test_a_dead_server_reads_as_status_0():
     run = await open_loop("http://127.0.0.1:9", [["a"], ["b"]], [0.0, 0.01], timeout_s=5)
     assert [o.status for o in run.outcomes] == [0, 0]
+
+
+@pytest.fixture
+async def two_servers():
+    """Two loopback servers writing into one log, in the order requests reach them."""
+    log: list[tuple[str, list[str]]] = []
+    runners, urls = [], []
+    for name in ("first", "second"):
+
+        async def infer(request: web.Request, name: str = name) -> web.Response:
+            log.append((name, orjson.loads(await request.read())["inputs"]))
+            return web.json_response({"outputs": 1})
+
+        app = web.Application()
+        app.router.add_post("/v1/infer", infer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    yield urls, log
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_in_turn_sends_each_request_to_both_servers_one_at_a_time(two_servers, client):
+    urls, log = two_servers
+    requests = [["a"], ["b", "c"], ["d"]]
+    first, second = await in_turn(urls, requests, max_duration_s=30, client=client)
+    # Every request reaches both, the one that gets it first alternating.
+    assert log == [("first", ["a"]), ("second", ["a"]), ("second", ["b", "c"]),
+                   ("first", ["b", "c"]), ("first", ["d"]), ("second", ["d"])]  # fmt: skip
+    for run in (first, second):
+        assert [o.num_inputs for o in run.outcomes] == [1, 2, 1]
+        assert all(o.status == 200 for o in run.outcomes)
+        # Each server's wall time is the time its own requests took.
+        assert run.wall_s == pytest.approx(sum(o.latency_s for o in run.outcomes))

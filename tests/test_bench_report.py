@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from bench.limit import LimitResult, cheapest_batches, ideal_batches
-from bench.loadgen import Outcome
+from bench.loadgen import IN_TURN, Outcome
 from bench.report import BATCH_COLOR, load_table, plot_timeline, render_markdown, write_report
 from bench.runner import BenchOptions, BenchResult, quick_options
 from bench.sampler import Sample, batch_size_series
@@ -115,6 +115,17 @@ def test_saturation_uses_the_limit_measured_just_before_adaptive():
     assert by_name[SATURATION].ratio == pytest.approx(1.0)
     text = render_markdown(result, command="batchfit bench", plots=False)
     assert "just before each configuration's highest level: adaptive 182.0 inputs/s" in text
+
+
+def test_saturation_uses_the_mean_of_the_limits_either_side_of_adaptive_s_top_level():
+    result = make_result()
+    result.limit_before_top = {"adaptive": replace(LIMIT, inputs_per_s=150.0)}
+    result.limit_after_top = {"adaptive": replace(LIMIT, inputs_per_s=250.0)}
+    saturation = {t.name: t for t in targets(result)}[SATURATION]
+    assert saturation.ratio == pytest.approx(182 / 200) and saturation.met
+    assert "200.0 (mean of 150.0 just before and 250.0 just after)" in saturation.measured
+    text = render_markdown(result, command="batchfit bench", plots=False)
+    assert "adaptive 150.0 inputs/s; just after adaptive's, 250.0." in text
 
 
 def test_targets_are_ratios_against_the_limit_and_batching_off():
@@ -252,14 +263,19 @@ def test_targets_against_the_bare_stack_the_no_batching_server_and_another_clien
         single("adaptive", "idle c=1", 5.0, 1.0, client="httpx"),
         single("adaptive", "c=16", 50, 0.5, client="httpx", count=50),
     ]
+    result.no_batching.append(single("no batching", IN_TURN, 8.0, 1.0))
+    result.beside_no_batching = [single("adaptive", IN_TURN, 7.0, 1.0)]
     by_name = {t.name: t for t in targets(result)}
     busy = by_name["no-op model vs the bare stack, c=32: throughput"]
     assert busy.ratio == pytest.approx(2000 / 2500) and busy.met
     quiet = by_name["no-op model vs the bare stack, c=1: mean latency vs bare + 0.15 ms"]
     assert quiet.ratio == pytest.approx(0.5 / 0.55) and quiet.met
     assert quiet.measured == "0.500 vs 0.400 + 0.15 ms (aiohttp)"
-    aiohttp = by_name["one-client p50 vs the no-batching server (aiohttp)"]
-    assert aiohttp.ratio == pytest.approx(5 / 6) and aiohttp.met
+    alone = by_name["one-client p50 vs the no-batching server (aiohttp)"]
+    assert alone.ratio == pytest.approx(5 / 6) and alone.met
+    # Measured in turn, each row is set against the other one measured in turn.
+    in_turn = by_name["one-client p50 vs the no-batching server (aiohttp, in turn)"]
+    assert in_turn.ratio == pytest.approx(7 / 8) and in_turn.measured == "7.00 vs 8.00 ms"
     httpx = by_name["one-client p50 vs the no-batching server (httpx)"]
     assert httpx.ratio == pytest.approx(5 / 4) and httpx.met is False
     other = by_name["saturation throughput vs in-process limit (httpx client)"]

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from bench.loadgen import IN_TURN
 from tests.servers import ROOT
 
 pytestmark = pytest.mark.integration
@@ -55,14 +56,20 @@ def test_quick_bench_writes_the_report(tmp_path):
     for row in [*overhead.values(), *bare.values()]:
         assert row["client"] == "wrk" and row["errors"] == {} and row["num_requests"] > 0
         assert 0 < row["cpu_ms_per_input"] < 50 and row["mean_s"] > 0
-    # The no-batching server with both clients, and adaptive again with httpx.
+    # The no-batching server: one client of each kind sending every request to it and to
+    # adaptive in turn, and the highest level; adaptive's highest level again with httpx.
     assert {(r["load"], r["client"]) for r in figures["no_batching"]} == {
-        ("idle c=1", "aiohttp"), ("idle c=1", "httpx"), ("c=8", "aiohttp")
+        (IN_TURN, "aiohttp"), (IN_TURN, "httpx"), ("c=8", "aiohttp")
     }  # fmt: skip
-    assert {(r["load"], r["client"]) for r in figures["other_clients"]} == {
-        ("idle c=1", "httpx"), ("c=8", "httpx")
+    beside = figures["beside_no_batching"]
+    assert {(r["config"], r["load"], r["client"]) for r in beside} == {
+        ("adaptive", IN_TURN, "aiohttp"), ("adaptive", IN_TURN, "httpx")
     }  # fmt: skip
-    assert all(r["errors"] == {} for r in [*figures["no_batching"], *figures["other_clients"]])
+    in_turn = [r for r in figures["no_batching"] if r["load"] == IN_TURN]
+    assert [r["num_requests"] for r in beside] == [r["num_requests"] for r in in_turn]
+    assert {(r["load"], r["client"]) for r in figures["other_clients"]} == {("c=8", "httpx")}
+    every = [*figures["no_batching"], *beside, *figures["other_clients"]]
+    assert all(r["errors"] == {} and r["num_requests"] > 0 for r in every)
     report = (out / "report.md").read_text()
     assert f"| limit | in-process, {threads} threads, {figures['limit']['plan']} |" in report
     assert "## Server overhead" in report and "| bare stack | c=32 |" in report

@@ -1,0 +1,170 @@
+"""Where the host's CPUs go while the bundled model's replica is saturated.
+
+``python -m bench.saturation`` starts a replica with the server's defaults, drives it with
+the benchmark's mixed-length workload at 128 clients (each load generator in turn), and
+meanwhile reads every thread's CPU time from ``/proc``, the load generator's own (this
+process's), the host's from ``/proc/stat``, and samples the replica's threads with py-spy
+(idle ones included) to tell how much of the wall time the model thread spent inside a
+forward pass. So it tells a model thread that waits for work (the front end or the batcher
+binds) from forward passes that run slower than in-process (their threads get less CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .loadgen import CLIENTS, RunResult, closed_loop
+from .profile import thread_cpu_seconds
+from .servers import Replica, start_replica
+from .stages import parse_raw
+from .workload import WorkloadSpec, make_requests
+
+MODEL_THREAD, TOKENIZER_THREAD, LOOP_THREAD = "batchfit-model", "batchfit-tokenize", "MainThread"
+IN_FORWARD = "_measured_forward"
+"""The batcher's function around every forward pass, on the model thread."""
+
+
+@dataclass(frozen=True, slots=True)
+class CpuShare:
+    """CPUs kept busy over the sampled window (1.0 is one CPU all the time)."""
+
+    server: dict[str, float]
+    """By role: event loop, model thread, OpenMP workers, tokenizer, other threads."""
+    client: float
+    host_busy: float
+    host_cpus: int
+
+
+@dataclass(frozen=True, slots=True)
+class SaturationRun:
+    client: str
+    concurrency: int
+    inputs_per_s: float
+    errors: int
+    cpus: CpuShare
+    in_forward: float
+    """Share of the model thread's samples (idle ones included) inside a forward pass."""
+
+
+def host_cpu_seconds() -> tuple[float, int]:
+    """Busy CPU seconds of the whole host (everything but idle and iowait), and its CPUs."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpus, busy = 0, 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *values = line.split()
+        if name == "cpu":
+            fields = [int(v) for v in values]
+            busy = sum(fields) - fields[3] - fields[4]  # idle, iowait
+        elif name.startswith("cpu"):
+            cpus += 1
+    return busy / ticks, cpus
+
+
+def _role(name: str) -> str:
+    if name.startswith(MODEL_THREAD):
+        return "model thread"
+    if name.startswith(TOKENIZER_THREAD):
+        return "tokenizer"
+    if name == LOOP_THREAD:
+        return "event loop"
+    return "other threads"
+
+
+def measure(
+    replica: Replica, requests: list[list[str]], *, client: str, concurrency: int,
+    duration_s: float, rate_hz: int = 100,
+) -> SaturationRun:  # fmt: skip
+    """Load for ``duration_s`` + 4 s; sample the middle ``duration_s`` of it."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    done: list[RunResult] = []
+    load = threading.Thread(target=lambda: done.append(asyncio.run(closed_loop(
+        replica.url, requests, concurrency=concurrency, client=client,
+        max_duration_s=duration_s + 4,
+    ))))  # fmt: skip
+    load.start()
+    time.sleep(2.0)
+    pid = replica.process.pid
+    threads_before, own_before = thread_cpu_seconds(pid), time.process_time()
+    host_before, host_cpus = host_cpu_seconds()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        raw = Path(folder) / "samples.txt"
+        subprocess.run(
+            [py_spy, "record", "--pid", str(pid), "--rate", str(rate_hz), "--duration",
+             str(int(duration_s)), "--format", "raw", "--threads", "--idle", "--nonblocking",
+             "--output", str(raw)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        samples = parse_raw(raw.read_text().splitlines())
+    wall = time.perf_counter() - started
+    threads_after, own_after = thread_cpu_seconds(pid), time.process_time()
+    host_after, _ = host_cpu_seconds()
+    load.join()
+    names = {s.tid: s.thread for s in samples}
+    server: dict[str, float] = {}
+    for tid, seconds in threads_after.items():
+        # Threads py-spy never saw run no Python: torch's OpenMP workers.
+        role = _role(names[tid]) if tid in names else "OpenMP workers"
+        used = (seconds - threads_before.get(tid, 0.0)) / wall
+        server[role] = server.get(role, 0.0) + used
+    model = [s for s in samples if s.thread.startswith(MODEL_THREAD)]
+    total = sum(s.count for s in model)
+    inside = sum(s.count for s in model if any(f.function.endswith(IN_FORWARD) for f in s.frames))
+    run = done[0]
+    ok = [o for o in run.outcomes if o.status == 200]
+    client_cpus, host_busy = (own_after - own_before) / wall, (host_after - host_before) / wall
+    return SaturationRun(
+        client=client,
+        concurrency=concurrency,
+        inputs_per_s=sum(o.num_inputs for o in ok) / run.wall_s,
+        errors=len(run.outcomes) - len(ok),
+        cpus=CpuShare(server, client_cpus, host_busy, host_cpus),
+        in_forward=inside / total if total else float("nan"),
+    )
+
+
+def describe(run: SaturationRun) -> str:
+    cpus = run.cpus
+    server = sum(cpus.server.values())
+    roles = ", ".join(f"{role} {used:.2f}" for role, used in
+                      sorted(cpus.server.items(), key=lambda kv: -kv[1]))  # fmt: skip
+    rest = cpus.host_busy - server - cpus.client
+    return (
+        f"{run.client}, {run.concurrency} clients: {run.inputs_per_s:.1f} inputs/s, "
+        f"{run.errors} errors. CPUs busy of {cpus.host_cpus}: the server {server:.2f} "
+        f"({roles}); the load generator {cpus.client:.2f}; the rest of the host (py-spy "
+        f"included) {rest:.2f}; idle {cpus.host_cpus - cpus.host_busy:.2f}. The model thread "
+        f"was inside a forward pass {run.in_forward:.0%} of the time."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.saturation", description=__doc__)
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--duration-s", type=float, default=15.0)
+    parser.add_argument("--requests", type=int, default=3000, help="at most, per client")
+    parser.add_argument("--clients", default=",".join(CLIENTS))
+    parser.add_argument("--server-flag", action="append", default=[], dest="flags")
+    args = parser.parse_args(argv)
+    requests = make_requests(WorkloadSpec(), args.requests)
+    with start_replica(args.flags) as replica:
+        asyncio.run(closed_loop(replica.url, requests[:200], concurrency=32, max_duration_s=30))
+        for client in args.clients.split(","):
+            run = measure(replica, requests, client=client, concurrency=args.concurrency,
+                          duration_s=args.duration_s)  # fmt: skip
+            print(describe(run), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
