@@ -16,7 +16,7 @@ import pytest
 from server import Settings, create_app
 from server.lean import LeanFront
 from server.middleware import RequestIds
-from server.runtime.tokenize import inline_limit, measure_inline_limit
+from server.runtime.tokenize import idle_inline_limit, inline_limit, measure_inline_limit
 from tests.fakes import ScriptedModel
 from tests.inprocess import serve_in_thread
 from tests.test_app import running
@@ -256,6 +256,20 @@ def test_the_inline_limit_is_the_largest_size_within_two_hand_offs(costs_us, han
     assert inline_limit(costs, handoff_us * 1e-6) == limit
 
 
+@pytest.mark.parametrize(
+    ("costs_us", "busy", "limit"),
+    [
+        ({16: 30, 64: 60, 256: 120, 1024: 480, 4096: 1900}, 0, 1024),  # within 1 ms
+        ({16: 30, 64: 60, 256: 120, 1024: 480, 4096: 900}, 0, 4096),  # no more than measured
+        ({16: 1, 64: 1, 256: 2}, math.inf, math.inf),  # nearly free: inline at any size
+        ({16: 2000, 64: 4000}, 16, 16),  # never below the busy limit
+    ],
+)
+def test_a_request_alone_is_tokenized_inline_within_the_idle_budget(costs_us, busy, limit):
+    costs = {chars: us * 1e-6 for chars, us in costs_us.items()}
+    assert idle_inline_limit(costs, busy) == limit
+
+
 async def test_the_limit_is_measured_in_the_loops_cpu_time_of_each_side():
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731 - advanced by what "runs"
@@ -280,14 +294,29 @@ async def test_text_over_the_models_limit_is_tokenized_on_the_tokenizer_thread(r
             threads.append(threading.current_thread().name)
             return super().prepare(inputs, truncate=truncate)
 
-    async with running(Recording(), registry) as client:
+    gate = threading.Event()
+    gate.set()
+    model = Recording(gate=gate)
+    async with running(model, registry, max_wait_ms=0) as client:
         slot = client._transport.app.state.runtime.slot()
-        slot.inline_tokenize_chars = 10
+        slot.inline_tokenize_chars, slot.idle_inline_chars = 10, 40
         threads.clear()
+        # Alone: inline up to the idle limit, then on the tokenizer thread.
         assert (await client.post("/v1/infer", json={"inputs": "short"})).status_code == 200
-        long = await client.post("/v1/infer", json={"inputs": ["twelve chars", "and more"]})
-        assert long.status_code == 200
-    assert threads == ["MainThread", "batchfit-tokenize_0"]
+        within = await client.post("/v1/infer", json={"inputs": ["twelve chars", "and more"]})
+        assert within.status_code == 200
+        assert (await client.post("/v1/infer", json={"inputs": "x" * 41})).status_code == 200
+        # With another request in progress: only up to the busy limit.
+        gate.clear()
+        model.entered.clear()
+        first = asyncio.create_task(client.post("/v1/infer", json={"inputs": "brief"}))
+        await wait_until(model.entered.is_set)
+        second = asyncio.create_task(client.post("/v1/infer", json={"inputs": "twelve words"}))
+        await wait_until(lambda: len(threads) == 5)
+        gate.set()
+        assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
+    assert threads == ["MainThread", "MainThread", "batchfit-tokenize_0", "MainThread",
+                       "batchfit-tokenize_0"]  # fmt: skip
 
 
 async def test_the_front_matches_hot_paths_under_a_root_path_and_only_posts(registry):

@@ -246,14 +246,15 @@ class EngineHost:
             self._send(worker, wire.STATE, state)
 
     def _models(self) -> bytes | None:
-        """Each model's name, card, what tokenizes for it and its inline limit, pickled
+        """Each model's name, card, what tokenizes for it and its inline limits, pickled
         once; None (and the replica stops) where a model cannot be sent."""
         if self._models_message is None:
             found = []
             for name, slot in self.runtime.slots.items():
                 model = slot.model
                 preparer = model.preparer() if hasattr(model, "preparer") else model
-                found.append((name, slot.card(), preparer, slot.inline_tokenize_chars))
+                found.append((name, slot.card(), preparer, slot.inline_tokenize_chars,
+                              slot.idle_inline_chars))  # fmt: skip
             try:
                 self._models_message = wire.dumps(found)
             except Exception as exc:

@@ -48,11 +48,14 @@ def engine_gone() -> ApiError:
 class RemoteSlot:
     """A model served by the engine: what the routes read of a ``ModelSlot``."""
 
-    def __init__(self, name: str, card: dict[str, Any], preparer: Any, inline: float) -> None:
+    def __init__(
+        self, name: str, card: dict[str, Any], preparer: Any, inline: float, idle_inline: float
+    ) -> None:
         self.name = name
         self._card = card
         self.model = preparer
         self.inline_tokenize_chars = inline
+        self.idle_inline_chars = idle_inline
 
     @property
     def info(self) -> ModelInfo:
@@ -104,6 +107,7 @@ class RemoteRuntime:
         self._numbers = itertools.count()
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._tokenizer = ModelThread("batchfit-tokenize")
+        self._inferring = 0  # inference requests in progress here
         self._heard: asyncio.Event | None = None
         self.status_history: Any = None
         """This process's ``StatusHistory`` (set by ``create_app``): it only counts the
@@ -317,15 +321,18 @@ class RemoteRuntime:
         )  # fmt: skip
         chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
         chars += len(prompt or "") * len(inputs)
-        if chars > slot.inline_tokenize_chars:
-            items = await self._tokenizer.call(prepare)
-        else:
-            items = prepare()
-        trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
-        header, frames = await self._call(
-            wire.INFER, (slot.name, timeout_s, priority, request_id, dimensions),
-            wire.dumps(items),
-            timeout_s=timeout_s + DEADLINE_GRACE_S, client=client,
-        )  # fmt: skip
+        # As in one process: a request alone here is tokenized inline up to a larger size.
+        limit = slot.inline_tokenize_chars if self._inferring else slot.idle_inline_chars
+        self._inferring += 1
+        try:
+            items = await self._tokenizer.call(prepare) if chars > limit else prepare()
+            trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
+            header, frames = await self._call(
+                wire.INFER, (slot.name, timeout_s, priority, request_id, dimensions),
+                wire.dumps(items),
+                timeout_s=timeout_s + DEADLINE_GRACE_S, client=client,
+            )  # fmt: skip
+        finally:
+            self._inferring -= 1
         _, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits = header
         return wire.decode_outputs(meta, frames), tokens

@@ -46,7 +46,7 @@ from ..settings import Settings
 from .announce import ready_line
 from .slot import ModelSlot, by_name, make_sizer, make_slots, prepare_call
 from .threads import thread_count
-from .tokenize import measure_inline_limit
+from .tokenize import idle_inline_limit, measure_inline_limit
 from .trace import RequestTrace
 from .tracking import WorkTracker
 from .waiting import ClientDisconnected, ClientWatch, RequestWait
@@ -300,13 +300,14 @@ class Runtime:
             )
         except Exception as exc:  # a custom model that cannot tokenize plain words
             log.warning("model %s: tokenizing not measured (%s)", slot.name, exc)
-            slot.inline_tokenize_chars = INLINE_TOKENIZE_CHARS
+            slot.inline_tokenize_chars = slot.idle_inline_chars = INLINE_TOKENIZE_CHARS
             return
         slot.inline_tokenize_chars = limit
+        slot.idle_inline_chars = idle_inline_limit(costs, limit)
         log.info(
-            "model %s: tokenized on the event loop up to %s characters (inline: %s; the "
-            "hand-off to the tokenizer thread: %.0f us)",
-            slot.name, "any number of" if limit == float("inf") else f"{limit:.0f}",
+            "model %s: tokenized on the event loop up to %s characters, up to %s for a request "
+            "alone (inline: %s; the hand-off to the tokenizer thread: %.0f us)",
+            slot.name, _chars(limit), _chars(slot.idle_inline_chars),
             ", ".join(f"{chars} chars {cost * 1e6:.0f} us" for chars, cost in costs.items()),
             handoff_s * 1e6,
         )  # fmt: skip
@@ -498,7 +499,8 @@ class Runtime:
         )  # fmt: skip
         chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
         chars += len(prompt or "") * len(inputs)
-        if chars > slot.inline_tokenize_chars:
+        alone = self.work.active_requests <= 1  # this one
+        if chars > (slot.idle_inline_chars if alone else slot.inline_tokenize_chars):
             items = await self.tokenizer_thread.call(prepare)
         else:
             items = prepare()
@@ -597,3 +599,7 @@ def _finisher(dimensions: int | None, normalize: bool) -> Callable[[Any], Any]:
         return stored_value(truncate_dimensions(output, dimensions, normalize))
 
     return cut
+
+
+def _chars(limit: float) -> str:
+    return "any number of" if limit == float("inf") else f"{limit:.0f}"

@@ -60,6 +60,8 @@ class ModelSlot:
         self.inline_tokenize_chars: float = 0.0
         """Requests with at most this much text are tokenized on the event loop; measured
         at start-up (``runtime/tokenize.py``)."""
+        self.idle_inline_chars: float = 0.0
+        """The same for a request that is the only one in progress (``idle_inline_limit``)."""
 
     @property
     def name(self) -> str:
