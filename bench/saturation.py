@@ -148,6 +148,29 @@ def describe(run: SaturationRun) -> str:
     )
 
 
+def measure_limit_cpus(requests: list[list[str]], *, rounds: int = 2) -> list[str]:
+    """The in-process limit (``bench.limit``) over the same inputs, and the host's CPUs busy
+    meanwhile: what the plain calls leave idle with nothing else running."""
+    from .limit import measure_limit
+    from .plain import load_plain_encoder
+    from .runner import BenchOptions
+
+    options = BenchOptions()
+    encoder = load_plain_encoder()
+    texts = [text for r in requests for text in r]
+    lines = []
+    for i in range(rounds + 1):  # the first warms up
+        busy_before, cpus = host_cpu_seconds()
+        started = time.perf_counter()
+        limit = measure_limit(encoder, texts, max_items=options.max_batch_size,
+                              max_tokens=options.max_batch_tokens)  # fmt: skip
+        busy = (host_cpu_seconds()[0] - busy_before) / (time.perf_counter() - started)
+        if i:
+            lines.append(f"in-process limit: {limit.inputs_per_s:.1f} inputs/s; CPUs busy of "
+                         f"{cpus} (its planning included): {busy:.2f}")  # fmt: skip
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.saturation", description=__doc__)
     parser.add_argument("--concurrency", type=int, default=128)
@@ -155,8 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3000, help="at most, per client")
     parser.add_argument("--clients", default=",".join(CLIENTS))
     parser.add_argument("--server-flag", action="append", default=[], dest="flags")
+    parser.add_argument("--limit", action="store_true",
+                        help="also run the in-process limit over 400 requests' inputs")  # fmt: skip
     args = parser.parse_args(argv)
     requests = make_requests(WorkloadSpec(), args.requests)
+    if args.limit:
+        for line in measure_limit_cpus(requests[:400]):
+            print(line, flush=True)
     with start_replica(args.flags) as replica:
         asyncio.run(closed_loop(replica.url, requests[:200], concurrency=32, max_duration_s=30))
         for client in args.clients.split(","):

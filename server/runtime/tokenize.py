@@ -11,10 +11,9 @@ the loop for all but the shortest texts.
 
 That limit is for a loop with other requests to serve. A request that is the only one in
 progress is tokenized inline up to a larger size, whose encode costs the loop at most
-``IDLE_INLINE_BUDGET_S``: nothing waits for the loop meanwhile, and the hand-off costs it two
-thread wake-ups, which after an idle spell cost a VM more than the encode (one client, in
-turn with a server that tokenizes inline: 1.12 to 1.30 times its p50 with the hand-off, 1.07
-to 1.15 inline; docs/frontend.md).
+``IDLE_INLINE_BUDGET_S``: nothing waits for the loop meanwhile, and the hand-off costs the
+request two thread wake-ups, which after an idle spell cost a VM more than the encode
+(docs/frontend.md).
 """
 
 from __future__ import annotations
