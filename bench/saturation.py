@@ -11,6 +11,9 @@ binds) from forward passes that run slower than in-process (their threads get le
 
 from __future__ import annotations
 
+# First, as ``batchfit bench`` does: the in-process limit runs with the server's OpenMP spin.
+import server.openmp  # noqa: F401  # isort: skip
+
 import argparse
 import asyncio
 import os

@@ -305,9 +305,9 @@ class Runtime:
         slot.inline_tokenize_chars = limit
         slot.idle_inline_chars = idle_inline_limit(costs, limit)
         log.info(
-            "model %s: tokenized on the event loop up to %s characters, up to %s for a request "
-            "alone (inline: %s; the hand-off to the tokenizer thread: %.0f us)",
-            slot.name, _chars(limit), _chars(slot.idle_inline_chars),
+            "model %s: tokenized on the event loop %s (inline: %s; the hand-off to the "
+            "tokenizer thread: %.0f us)",
+            slot.name, _where(limit, slot.idle_inline_chars),
             ", ".join(f"{chars} chars {cost * 1e6:.0f} us" for chars, cost in costs.items()),
             handoff_s * 1e6,
         )  # fmt: skip
@@ -601,5 +601,8 @@ def _finisher(dimensions: int | None, normalize: bool) -> Callable[[Any], Any]:
     return cut
 
 
-def _chars(limit: float) -> str:
-    return "any number of" if limit == float("inf") else f"{limit:.0f}"
+def _where(limit: float, alone: float) -> str:
+    """``up to 16 characters, up to 1024 for a request alone``, as the start-up log says it."""
+    if limit == float("inf"):
+        return "at any size"
+    return f"up to {limit:.0f} characters, up to {alone:.0f} for a request alone"
