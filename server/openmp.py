@@ -12,8 +12,8 @@ spin) made batch-1 3 ms slower. Measured again A/B on a shared host, with the be
 aiohttp client and with httpx (``python -m bench.defaults``, docs/frontend.md): every longer
 spin (3,000 to 300,000) lost 1.3 to 6 times in one-client latency and in throughput at 32
 clients, with both clients; on the same host with nothing else running, the best of them
-(30,000) was at most 11% ahead, and 300,000 no better than 1,000. (An Intel OpenMP build would read ``KMP_BLOCKTIME`` instead; none
-was measured, so it is left alone.)
+(30,000) was at most 11% ahead, and 300,000 no better than 1,000. (An Intel OpenMP build
+would read ``KMP_BLOCKTIME`` instead; none was measured, so it is left alone.)
 """
 
 from __future__ import annotations
