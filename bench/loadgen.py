@@ -22,9 +22,9 @@ import orjson
 
 CLIENTS = ("aiohttp", "httpx")
 Post = Callable[[bytes], Awaitable[int]]
+"""Sends one body; returns the status, 0 for a transport error or a timeout."""
 IN_TURN = "c=1, in turn"
 """The load ``in_turn`` puts on each server: one client, whose requests alternate between them."""
-"""Sends one body; returns the status, 0 for a transport error or a timeout."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,7 +124,8 @@ class BenchResult:
     """Adaptive's one-client levels, each request sent to it and to the no-batching server
     in turn (load ``IN_TURN``), one per load generator."""
     other_clients: list[LoadSummary] = field(default_factory=list)
-    """Adaptive's one-client and highest levels with the load generators after the first."""
+    """Adaptive's highest level with the load generators after the first (and its one-client
+    level, where the no-batching comparison does not run)."""
     timeline_config: str = ""
     timeline_load: str = ""
     timeline: list[Sample] = field(default_factory=list)
