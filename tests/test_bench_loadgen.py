@@ -11,6 +11,17 @@ from aiohttp import web
 from bench.loadgen import CLIENTS, closed_loop, in_turn, open_loop
 
 
+async def start_site(infer) -> tuple[web.AppRunner, str]:
+    """A loopback server answering ``POST /v1/infer`` with ``infer``; its runner and url."""
+    app = web.Application()
+    app.router.add_post("/v1/infer", infer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 @pytest.fixture
 async def echo_server():
     seen: list[list[str]] = []
@@ -21,14 +32,8 @@ async def echo_server():
         status = 429 if body["inputs"] == ["reject"] else 200
         return web.json_response({"outputs": len(body["inputs"])}, status=status)
 
-    app = web.Application()
-    app.router.add_post("/v1/infer", infer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", seen
+    runner, url = await start_site(infer)
+    yield url, seen
     await runner.cleanup()
 
 
@@ -119,14 +124,9 @@ async def two_servers():
             log.append((name, orjson.loads(await request.read())["inputs"]))
             return web.json_response({"outputs": 1})
 
-        app = web.Application()
-        app.router.add_post("/v1/infer", infer)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        runner, url = await start_site(infer)
         runners.append(runner)
-        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        urls.append(url)
     yield urls, log
     for runner in runners:
         await runner.cleanup()
