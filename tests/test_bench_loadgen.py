@@ -86,16 +86,10 @@ async def test_open_loop_sends_at_the_given_times_without_waiting_for_answers():
             await asyncio.wait_for(last_arrived.wait(), 10)
         return web.json_response({"outputs": [text]})
 
-    app = web.Application()
-    app.router.add_post("/v1/infer", infer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, url = await start_site(infer)
     try:
         requests = [[str(i)] for i in range(len(send_times))]
-        run = await open_loop(f"http://127.0.0.1:{port}", requests, send_times, timeout_s=20)
+        run = await open_loop(url, requests, send_times, timeout_s=20)
     finally:
         await runner.cleanup()
     assert [o.status for o in run.outcomes] == [200] * len(send_times)
