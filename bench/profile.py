@@ -58,7 +58,6 @@ def profile(
 ) -> Profile:  # fmt: skip
     """Run wrk for ``duration_s`` + 3 s and sample the middle ``duration_s`` of it; ``keep``
     saves py-spy's raw samples there."""
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     with start_target(target, flags or []) as replica, tempfile.TemporaryDirectory() as folder:
         url = replica.url + "/v1/infer"
         run_wrk(url, body, connections=connections, duration_s=2)  # warm-up
@@ -74,12 +73,7 @@ def profile(
         threads_before = thread_cpu_seconds(replica.process.pid)
         raw = Path(folder) / "samples.txt"
         started = time.perf_counter()
-        subprocess.run(
-            [py_spy, "record", "--pid", str(replica.process.pid), "--rate", str(rate_hz),
-             "--duration", str(int(duration_s)), "--format", "raw", "--threads",
-             "--nonblocking", "--output", str(raw)],
-            check=True, capture_output=True, timeout=duration_s + 60,
-        )  # fmt: skip
+        record(replica.process.pid, raw, rate_hz=rate_hz, duration_s=duration_s)
         sampled_s = time.perf_counter() - started
         cpu_s = (replica.cpu_seconds() or 0.0) - cpu_before
         threads_after = thread_cpu_seconds(replica.process.pid)
@@ -104,6 +98,18 @@ def profile(
         ),
         cpu_us_per_request=cpu_s * 1e6 / num_requests,
     )
+
+
+def record(pid: int, output: Path, *, rate_hz: int, duration_s: float, idle: bool = False) -> None:
+    """py-spy samples every thread of ``pid`` for ``duration_s`` into ``output`` (its raw
+    format, for ``parse_raw``); with ``idle``, threads that sleep too."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    subprocess.run(
+        [py_spy, "record", "--pid", str(pid), "--rate", str(rate_hz), "--duration",
+         str(int(duration_s)), "--format", "raw", "--threads", *(["--idle"] if idle else []),
+         "--nonblocking", "--output", str(output)],
+        check=True, capture_output=True, timeout=duration_s + 60,
+    )  # fmt: skip
 
 
 def thread_cpu_seconds(pid: int) -> dict[int, float]:

@@ -17,9 +17,6 @@ import server.openmp  # noqa: F401  # isort: skip
 import argparse
 import asyncio
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .loadgen import CLIENTS, RunResult, closed_loop
-from .profile import thread_cpu_seconds
+from .profile import record, thread_cpu_seconds
 from .servers import Replica, start_replica
-from .stages import parse_raw
+from .stages import LOOP_THREAD, parse_raw
 from .workload import WorkloadSpec, make_requests
 
-MODEL_THREAD, TOKENIZER_THREAD, LOOP_THREAD = "batchfit-model", "batchfit-tokenize", "MainThread"
+MODEL_THREAD, TOKENIZER_THREAD = "batchfit-model", "batchfit-tokenize"
 IN_FORWARD = "_measured_forward"
 """The batcher's function around every forward pass, on the model thread."""
 
@@ -88,7 +85,6 @@ def measure(
     duration_s: float, rate_hz: int = 100,
 ) -> SaturationRun:  # fmt: skip
     """Load for ``duration_s`` + 4 s; sample the middle ``duration_s`` of it."""
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     done: list[RunResult] = []
     load = threading.Thread(target=lambda: done.append(asyncio.run(closed_loop(
         replica.url, requests, concurrency=concurrency, client=client,
@@ -102,12 +98,7 @@ def measure(
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         raw = Path(folder) / "samples.txt"
-        subprocess.run(
-            [py_spy, "record", "--pid", str(pid), "--rate", str(rate_hz), "--duration",
-             str(int(duration_s)), "--format", "raw", "--threads", "--idle", "--nonblocking",
-             "--output", str(raw)],
-            check=True, capture_output=True,
-        )  # fmt: skip
+        record(pid, raw, rate_hz=rate_hz, duration_s=duration_s, idle=True)
         samples = parse_raw(raw.read_text().splitlines())
     wall = time.perf_counter() - started
     threads_after, own_after = thread_cpu_seconds(pid), time.process_time()
