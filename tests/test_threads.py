@@ -17,7 +17,7 @@ from bench.runner import SERVER_CONFIGS, BenchOptions
 from models import ModelSpec, available_cpus, load_model
 from models.loading import cpu_threads, omp_num_threads
 from models.testing import save_tiny_model
-from server.runtime import runtime as runtime_module
+from server.runtime import startup as startup_module
 from server.runtime import threads
 from server.runtime.runtime import Runtime
 from server.runtime.threads import (
@@ -88,8 +88,8 @@ async def test_the_runtime_loads_every_model_with_its_count_and_logs_it(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(threads, "own_cpu_quota", lambda: CpuQuota(1.0, "/q"))
     loaded = []
-    real = runtime_module.load_model
-    monkeypatch.setattr(runtime_module, "load_model",
+    real = startup_module.load_model
+    monkeypatch.setattr(startup_module, "load_model",
                         lambda spec: loaded.append(spec.num_threads) or real(spec))  # fmt: skip
     settings = Settings(model=(f"a={folder}", f"b={folder}"), device="cpu")
     runtime = Runtime(settings, registry=registry)

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,6 @@ from batching import (
     RequestQueue,
     ShuttingDown,
     Sizer,
-    limit_address_space,
     probes_for_device,
     release_host_memory,
 )
@@ -35,26 +33,22 @@ from models import (
     Item,
     Model,
     ModelOutOfMemory,
-    load_model,
     truncate_dimensions,
 )
 
-from ..cache import InputCache, default_cache_bytes, host_memory_bytes, stored_value
+from ..cache import InputCache, stored_value
 from ..errors import ApiError, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
 from .slot import ModelSlot, by_name, make_sizer, make_slots, prepare_call
+from .startup import bound_cache, limit_host_memory, load, log_memory_limit, place_tokenizing
 from .threads import thread_count
-from .tokenize import idle_inline_limit, measure_inline_limit
 from .trace import RequestTrace
 from .tracking import WorkTracker
 from .waiting import ClientDisconnected, ClientWatch, RequestWait
 
 log = logging.getLogger("batchfit")
-
-# Until a model's own limit is measured at start-up (``tokenize.py``).
-INLINE_TOKENIZE_CHARS = 4096
 
 
 class Runtime:
@@ -177,7 +171,7 @@ class Runtime:
         threads = thread_count(self.settings.num_threads)
         for slot in self._slots:
             self.phase = f"loading model {slot.given_name or slot.spec.model}"
-            await self._load(slot, threads.num_threads)
+            await load(slot, self.model_thread, self.metrics, threads.num_threads)
         self.phase = "starting the model thread"
         self.slots = by_name(self._slots)
         info = self._slots[0].info  # every model shares the device
@@ -196,11 +190,13 @@ class Runtime:
             await self.model_thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
         await self.tokenizer_thread.call(int)
         for slot in self._slots:
-            await self._place_tokenizing(slot)
+            await place_tokenizing(slot, self.tokenizer_thread)
         if self.settings.memory_limit is not None and info.device == "cpu":
-            self._limit_host_memory(self.settings.memory_limit)
-        self._log_memory_limit()
-        self._bound_cache(info.device == "cpu")
+            limit_host_memory(self.probe, self.settings.memory_limit)
+        log_memory_limit(self.probe, self.memory_metrics)
+        bound_cache(
+            self.inputs, self.settings, self._slots, self.probe, on_host=info.device == "cpu"
+        )
         self.batcher = Batcher(
             queue=self.queue,
             lanes=[slot.lane(self.profiler) for slot in self._slots],
@@ -238,105 +234,6 @@ class Runtime:
         self.phase = "ready"
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
-
-    def _bound_cache(self, on_host: bool) -> None:
-        """The output cache's bound: ``--cache-bytes``, else a share of the host memory the
-        replica may use. Its entries are resident host memory, which the host probe reads
-        (resident set, cgroup usage, MemAvailable), so on a CPU host every batch's budget
-        is sized with them already counted; on a GPU they take host memory, not the
-        device's."""
-        given = self.settings.cache_bytes
-        max_bytes = int(given) if given is not None else default_cache_bytes(
-            host_memory_bytes(self.settings.memory_limit, on_host=on_host)
-        )  # fmt: skip
-        self.inputs.set_max_bytes(max_bytes)
-        for slot in self._slots:
-            self.inputs.add_model(slot.name)
-        if not max_bytes:
-            dedup = "" if self.settings.deduplicate else "; no deduplication"
-            log.info("output cache: off%s", dedup)
-            return
-        reading = self.probe.read() if self.probe is not None and on_host else None
-        free = reading.free_bytes if reading is not None else None
-        log.info(
-            "output cache: up to %d MiB%s, counted in the memory the batch budget reads",
-            max_bytes >> 20, f" (with {free >> 20} MiB free now)" if free is not None else "",
-        )  # fmt: skip
-        if free is not None and max_bytes > free // 2:
-            log.warning(
-                "the output cache may hold %d MiB, more than half of the %d MiB free now: "
-                "batches will shrink as it fills (--cache-bytes lowers it)",
-                max_bytes >> 20, free >> 20,
-            )  # fmt: skip
-
-    async def _load(self, slot: ModelSlot, num_threads: int) -> None:
-        started = time.perf_counter()
-        if slot.model is None:
-            spec = replace(slot.spec, num_threads=num_threads)
-            slot.model = await self.model_thread.call(load_model, spec)
-        info = slot.model.info
-        log.info(
-            "model %s loaded: task=%s device=%s dtype=%s parameters=%d max_input_tokens=%d (%.1fs)",
-            slot.name, info.task, info.device, info.dtype, info.num_parameters,
-            info.max_input_tokens, time.perf_counter() - started,
-        )  # fmt: skip
-        if info.task == "rerank" and not hasattr(slot.model, "prepare_pairs"):
-            raise RuntimeError(f"model {slot.name} is a reranker but cannot encode pairs")
-        self.metrics.model.labels(slot.name).info(
-            {"name": info.name, "task": info.task, "device": info.device, "dtype": info.dtype}
-        )
-
-    async def _place_tokenizing(self, slot: ModelSlot) -> None:
-        """Measure up to how much text ``slot``'s requests are worth tokenizing inline."""
-        assert slot.model is not None
-        model = slot.model
-
-        def prepare(texts: list[str]) -> object:
-            return model.prepare(texts, truncate=True)
-
-        try:
-            limit, costs, handoff_s = await measure_inline_limit(
-                prepare, lambda: self.tokenizer_thread.call(int)
-            )
-        except Exception as exc:  # a custom model that cannot tokenize plain words
-            log.warning("model %s: tokenizing not measured (%s)", slot.name, exc)
-            slot.inline_tokenize_chars = slot.idle_inline_chars = INLINE_TOKENIZE_CHARS
-            return
-        slot.inline_tokenize_chars = limit
-        slot.idle_inline_chars = idle_inline_limit(costs, limit)
-        log.info(
-            "model %s: tokenized on the event loop %s (inline: %s; the hand-off to the "
-            "tokenizer thread: %.0f us)",
-            slot.name, _where(limit, slot.idle_inline_chars),
-            ", ".join(f"{chars} chars {cost * 1e6:.0f} us" for chars, cost in costs.items()),
-            handoff_s * 1e6,
-        )  # fmt: skip
-
-    def _limit_host_memory(self, limit_bytes: int) -> None:
-        assert self.probe is not None
-        resident = self.probe.read().used_bytes or 0
-        if resident >= limit_bytes:
-            raise RuntimeError(
-                f"memory_limit ({limit_bytes} bytes) is below what the loaded model already "
-                f"uses ({resident} bytes)"
-            )
-        set_to = limit_address_space(limit_bytes - resident)
-        log.info(
-            "memory limit %d MiB: address space capped at %d MiB (%d MiB above the model)",
-            limit_bytes >> 20, set_to >> 20, (limit_bytes - resident) >> 20,
-        )  # fmt: skip
-
-    def _log_memory_limit(self) -> None:
-        """Say which limit binds before the first batch: warm-up runs under it too."""
-        reading = self.probe.read() if self.probe is not None else None
-        if reading is None or reading.limit is None:
-            log.info("memory limit: none read (no memory probe)")
-            return
-        self.memory_metrics.set_limit(reading.limit)
-        log.info(
-            "memory limit: %s, %d MiB free under it",
-            reading.limit.describe(), (reading.free_bytes or 0) >> 20,
-        )  # fmt: skip
 
     async def _release_memory_when_quiet(self, quiet_s: float) -> None:
         """After each busy spell, once quiet for ``quiet_s``, return the allocator's free
@@ -599,10 +496,3 @@ def _finisher(dimensions: int | None, normalize: bool) -> Callable[[Any], Any]:
         return stored_value(truncate_dimensions(output, dimensions, normalize))
 
     return cut
-
-
-def _where(limit: float, alone: float) -> str:
-    """``up to 16 characters, up to 1024 for a request alone``, as the start-up log says it."""
-    if limit == float("inf"):
-        return "at any size"
-    return f"up to {limit:.0f} characters, up to {alone:.0f} for a request alone"
