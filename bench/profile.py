@@ -25,7 +25,7 @@ from pathlib import Path
 import orjson
 
 from .baselines import BARE_APP
-from .runner import NOOP_MODEL
+from .comparisons import NOOP_MODEL
 from .servers import Replica, start_baseline, start_replica
 from .stages import StageTable, parse_raw, render, stage_table
 from .wrk import WrkResult, run_wrk

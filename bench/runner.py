@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -12,20 +11,17 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from . import wrk
-from .baselines import BARE_APP, NO_BATCHING_APP
+from .comparisons import cpu_delta, measure_no_batching, measure_overhead, warm_up
 from .limit import Batch1Timer, LimitResult, measure_limit
-from .loadgen import CLIENTS, IN_TURN, RunResult, closed_loop, encode_bodies, in_turn, open_loop
+from .loadgen import CLIENTS, RunResult, closed_loop, open_loop
 from .plain import load_plain_encoder
 from .sampler import Sample, Sampler
-from .servers import Replica, start_baseline, start_replicas
-from .stats import LoadSummary, parse_scrape, percentile, summarize, summarize_wrk
+from .servers import Replica, start_replicas
+from .stats import LoadSummary, parse_scrape, percentile, summarize
 from .workload import WorkloadSpec, arrival_times, make_requests
 
 log = logging.getLogger("batchfit.bench")
 
-# Batching off, fixed batch sizes, and the server's defaults ("adaptive" once the adaptive
-# sizer is the default).
 # Batching off, fixed caps on the batch (the sizer and the planner still choose within
 # them), and the server's defaults. Every configuration runs with the same thread count: the
 # server's default, unless --server-flag sets one for all.
@@ -37,11 +33,6 @@ SERVER_CONFIGS: dict[str, tuple[str, ...]] = {
     "fixed-128": ("--max-batch-size", "128", "--max-batch-tokens", FIXED_BATCH_TOKENS),
     "adaptive": (),
 }
-NOOP_MODEL = "python:bench.noop:create"
-"""A model that does no work: the server's own CPU per request, measured apart."""
-NOOP = "no-op model"
-BARE = "bare stack"
-NO_BATCHING = "no batching"
 OVERHEAD_LOADS = ("wrk", "aiohttp")
 
 
@@ -192,107 +183,6 @@ def run_bench(options: BenchOptions, *, progress: Callable[[str], None] = log.in
     return result
 
 
-def measure_no_batching(
-    options: BenchOptions,
-    requests: list[list[str]],
-    singles: list[list[str]],
-    *,
-    beside: Replica | None = None,
-    progress: Callable[[str], None] = log.info,
-) -> tuple[list[LoadSummary], list[LoadSummary]]:
-    """The bundled model behind a plain FastAPI endpoint and one model thread: one client
-    with each load generator, then the highest level with the first. With ``beside`` (the
-    adaptive replica, idle), its one-client requests go to both servers in turn (``in_turn``),
-    so that the two are compared at the same moments. Returns the no-batching server's rows
-    and, with ``beside``, adaptive's one-client rows measured in turn with it."""
-    rows, paired = [], []
-    with start_baseline(NO_BATCHING_APP) as server:
-        asyncio.run(_warm_up(server.url, requests))
-        for client in options.clients:
-            if beside is None:
-                run = asyncio.run(closed_loop(server.url, singles, concurrency=1, client=client,
-                                              max_duration_s=options.max_level_s))  # fmt: skip
-                rows.append(summarize(NO_BATCHING, "idle c=1", run.outcomes, run.wall_s,
-                                      client=client))  # fmt: skip
-                progress(f"no batching, one {client} client: p50 {rows[-1].p50_s * 1e3:.2f} ms")
-                continue
-            ours, theirs = asyncio.run(in_turn([beside.url, server.url], singles, client=client,
-                                               max_duration_s=options.max_level_s))  # fmt: skip
-            paired.append(summarize("adaptive", IN_TURN, ours.outcomes, ours.wall_s,
-                                    client=client))  # fmt: skip
-            rows.append(summarize(NO_BATCHING, IN_TURN, theirs.outcomes, theirs.wall_s,
-                                  client=client))  # fmt: skip
-            progress(
-                f"one {client} client in turn: p50 adaptive {paired[-1].p50_s * 1e3:.2f} ms, "
-                f"no batching {rows[-1].p50_s * 1e3:.2f} ms"
-            )
-        if options.concurrency:
-            top = max(options.concurrency)
-            cpu_before = server.cpu_seconds()
-            run = asyncio.run(closed_loop(server.url, requests, concurrency=top,
-                                          client=options.clients[0],
-                                          max_duration_s=options.max_level_s))  # fmt: skip
-            cpu_s = _cpu_delta(cpu_before, server.cpu_seconds())
-            rows.append(summarize(NO_BATCHING, f"c={top}", run.outcomes, run.wall_s,
-                                  cpu_s=cpu_s, client=options.clients[0]))  # fmt: skip
-            progress(f"no batching c={top}: {rows[-1].inputs_per_s:.1f} inputs/s")
-    return rows, paired
-
-
-def _cpu_delta(before: float | None, after: float | None) -> float | None:
-    return None if before is None or after is None else after - before
-
-
-def measure_overhead(
-    options: BenchOptions, spec: WorkloadSpec, *, progress: Callable[[str], None] = log.info
-) -> tuple[list[LoadSummary], list[LoadSummary]]:
-    """Single-input requests against a replica serving the no-op model, and (with
-    ``baselines``) against the bare stack, level by level in turn: what HTTP, the queue, the
-    batcher and the hand-offs cost per request in server CPU and in latency, and what the
-    stack they are built on costs at least. Returns the no-op rows and the bare-stack rows."""
-    singles = make_requests(spec, options.overhead_requests, single_input=True)
-    use_wrk = options.overhead_load == "wrk" and wrk.available()
-    if options.overhead_load == "wrk" and not use_wrk:
-        progress("wrk is not installed: the no-op phase uses the aiohttp client")
-    with contextlib.ExitStack() as stack:
-        servers = {NOOP: stack.enter_context(
-            start_replicas([["--model", NOOP_MODEL, *options.extra_server_flags]])
-        )[0]}  # fmt: skip
-        if options.baselines:
-            servers[BARE] = stack.enter_context(start_baseline(BARE_APP))
-        for server in servers.values():
-            asyncio.run(_warm_up(server.url, singles))
-        rows: dict[str, list[LoadSummary]] = {name: [] for name in servers}
-        for concurrency in options.overhead_concurrency:
-            for name, server in servers.items():
-                cpu_before = server.cpu_seconds()
-                if use_wrk:
-                    body = encode_bodies([_short_single(singles)])[0]
-                    run = wrk.run_wrk(f"{server.url}/v1/infer", body, connections=concurrency,
-                                      duration_s=options.overhead_duration_s)  # fmt: skip
-                    cpu_s = _cpu_delta(cpu_before, server.cpu_seconds())
-                    summary = summarize_wrk(name, run, cpu_s=cpu_s)
-                else:
-                    done = asyncio.run(closed_loop(server.url, singles, concurrency=concurrency,
-                                                   max_duration_s=options.max_level_s,
-                                                   client=options.clients[0]))  # fmt: skip
-                    cpu_s = _cpu_delta(cpu_before, server.cpu_seconds())
-                    summary = summarize(name, f"c={concurrency}", done.outcomes, done.wall_s,
-                                        cpu_s=cpu_s, client=options.clients[0])  # fmt: skip
-                rows[name].append(summary)
-                progress(
-                    f"{name} c={concurrency} ({summary.client}): "
-                    f"{summary.requests_per_s:.0f} requests/s, mean {summary.mean_s * 1e3:.2f} "
-                    f"ms, server CPU {summary.cpu_ms_per_input:.2f} ms/request"
-                )
-    return rows[NOOP], rows.get(BARE, [])
-
-
-def _short_single(singles: list[list[str]]) -> list[str]:
-    """The first single-input request of a short text: wrk sends one body over and over."""
-    return min(singles[:50], key=lambda r: abs(len(r[0].split()) - 12))
-
-
 def _run_config(
     result: BenchResult,
     replica: Replica,
@@ -308,7 +198,7 @@ def _run_config(
     progress: Callable[[str], None],
 ) -> None:
     options = result.options
-    asyncio.run(_warm_up(replica.url, requests))
+    asyncio.run(warm_up(replica.url, requests))
     before = _scrape(replica.url)
     client = options.clients[0]
     idle = asyncio.run(closed_loop(replica.url, singles, concurrency=1, after_each=batch1,
@@ -372,7 +262,7 @@ def _run_other_clients(
         cpu_before = replica.cpu_seconds()
         run = asyncio.run(closed_loop(replica.url, requests, concurrency=top, client=client,
                                       max_duration_s=options.max_level_s))  # fmt: skip
-        cpu_s = _cpu_delta(cpu_before, replica.cpu_seconds())
+        cpu_s = cpu_delta(cpu_before, replica.cpu_seconds())
         summary = summarize("adaptive", f"c={top}", run.outcomes, run.wall_s, cpu_s=cpu_s,
                             client=client)  # fmt: skip
         result.other_clients.append(summary)
@@ -414,11 +304,6 @@ def _run_level(
 
 def _scrape(url: str) -> dict[str, float]:
     return parse_scrape(httpx.get(f"{url}/metrics", timeout=10).text)
-
-
-async def _warm_up(url: str, requests: list[list[str]]) -> None:
-    """A few requests of each shape, so first-call costs stay out of the figures."""
-    await closed_loop(url, requests[:16], concurrency=8, max_duration_s=60)
 
 
 def quick_options(**overrides: object) -> BenchOptions:

@@ -1,6 +1,7 @@
 """The no-op model the benchmark measures the server's own overhead with."""
 
-from bench.runner import NOOP_MODEL, BenchOptions, quick_options
+from bench.comparisons import NOOP_MODEL
+from bench.runner import BenchOptions, quick_options
 from models import Model, ModelSpec, load_model
 
 
