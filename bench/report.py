@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .loadgen import IN_TURN
-from .runner import BenchResult
+from .runner import SERVER_CONFIGS, BenchResult
 from .sampler import batch_size_series
 from .stats import LoadSummary
 from .targets import Target, targets
@@ -164,6 +164,38 @@ def _limit_drift(result: BenchResult) -> list[str]:
     ]
 
 
+CAP_FLAGS = ("--max-batch-size", "--max-batch-tokens", "--sizer")
+
+
+def _same_server(result: BenchResult) -> list[str]:
+    """Adaptive against fixed-128 by level, where fixed-128's caps are the server's defaults
+    (and no ``--server-flag`` sets them): the two are then the same server, and their ratios
+    show how far this run's figures move between two measurements of one thing."""
+    o = result.options
+    defaults = ("--max-batch-size", str(o.max_batch_size), "--max-batch-tokens",
+                str(o.max_batch_tokens))  # fmt: skip
+    if SERVER_CONFIGS["fixed-128"] != defaults or any(
+        flag.split("=")[0] in CAP_FLAGS for flag in o.extra_server_flags
+    ):
+        return []
+    fixed = {s.load: s for s in result.summaries if s.config == "fixed-128"}
+    pairs = [
+        (s.load, s.inputs_per_s / fixed[s.load].inputs_per_s)
+        for s in result.summaries
+        if s.config == "adaptive" and s.load in fixed and fixed[s.load].inputs_per_s
+    ]
+    if not pairs:
+        return []
+    ratios = ", ".join(f"{load} {ratio:.2f}" for load, ratio in pairs)
+    return [
+        f"fixed-128 runs with the server's default caps ({o.max_batch_size} items, "
+        f"{o.max_batch_tokens} padded tokens) and its sizer, as adaptive does: the two are one "
+        "server measured twice, minutes apart, and their gap is this run's own spread. "
+        f"Adaptive / fixed-128 inputs/s by level: {ratios}.",
+        "",
+    ]
+
+
 def _after(result: BenchResult) -> str:
     after = result.limit_after_top.get("adaptive")
     return "" if after is None else f"; just after adaptive's, {after.inputs_per_s:.1f}"
@@ -226,6 +258,7 @@ def render_markdown(result: BenchResult, *, command: str, plots: bool) -> str:
         load_table(result),
         "",
         *_limit_drift(result),
+        *_same_server(result),
         "## Idle latency",
         "",
         idle_table(result.idle, result.batch1_p50_s),

@@ -13,6 +13,7 @@ from bench.runner import BenchOptions, BenchResult, quick_options
 from bench.sampler import Sample, batch_size_series
 from bench.stats import batching_figures, parse_scrape, percentile, summarize
 from bench.targets import targets
+from server.settings import Settings
 
 LIMIT = LimitResult(
     num_inputs=100, num_batches=4, compute_s=0.5, inputs_per_s=200.0, mean_batch_size=25.0,
@@ -194,6 +195,21 @@ def test_adaptive_against_the_best_fixed_configuration_at_its_worst_level():
     ]
     assert fixed.ratio == pytest.approx(182 / 200) and fixed.met is False
     assert "vs fixed-128 200.0 inputs/s (c=16" in fixed.measured
+
+
+def test_fixed_128_at_the_servers_default_caps_shows_the_runs_own_spread():
+    assert (Settings().max_batch_size, Settings().max_batch_tokens) == (
+        BenchOptions().max_batch_size, BenchOptions().max_batch_tokens,
+    )  # fmt: skip
+    result = make_result()
+    result.summaries += [
+        summarize("fixed-128", "c=1", outcomes([9] * 10), 1.0),  # 20 inputs/s, as adaptive
+        summarize("fixed-128", "c=16", outcomes([50] * 100), 1.0),  # 200 against 182
+    ]
+    spread = "Adaptive / fixed-128 inputs/s by level: c=1 1.00, c=16 0.91."
+    assert spread in render_markdown(result, command="batchfit bench", plots=False)
+    result.options = replace(result.options, extra_server_flags=("--max-batch-size=64",))
+    assert "fixed-128 runs with" not in render_markdown(result, command="", plots=False)
 
 
 def test_no_fixed_target_without_a_fixed_configuration():
