@@ -61,7 +61,8 @@ class CompositeProbe:
         return [state.probe for state in self._states]
 
     def read(self) -> MemoryReading:
-        merged, failing = MemoryReading(), []
+        merged: MemoryReading | None = None
+        failing = []
         now = self._clock()
         for state in self._states:
             reading = None
@@ -78,8 +79,14 @@ class CompositeProbe:
                 if state.last is not None:
                     reading = replace(state.last, sources=())
             if reading is not None:
-                merged = _merge(merged, reading)
-        return replace(merged, failing=tuple(failing))
+                # NOTE: the first as it is (what merging it into an empty reading gives): on a
+                # CPU host, whose one probe is read after every batch, nothing is copied.
+                merged = reading if merged is None else _merge(merged, reading)
+        if merged is None:
+            return MemoryReading(failing=tuple(failing))
+        if failing or merged.failing:
+            return replace(merged, failing=tuple(failing))
+        return merged
 
     def _failed(self, state: _ProbeState, exc: ProbeError, now: float) -> None:
         with self._lock:

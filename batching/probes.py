@@ -195,14 +195,15 @@ class HostProbe:
         release_host_memory(self._proc)
 
     def start_batch(self) -> int | None:
+        status = self._read(self._status)  # resetting the peak leaves VmRSS as it is
         if self._can_reset_peak:
-            self._fold_peak(self._read(self._status))
+            self._fold_peak(status)
             try:
                 self._files.write(self._clear_refs, b"5")
             except OSError as exc:
                 self._can_reset_peak = False
                 log.warning("cannot reset the peak RSS (%s); batch peaks are not measured", exc)
-        return kib_field(self._read(self._status), b"VmRSS")
+        return kib_field(status, b"VmRSS")
 
     def batch_peak(self) -> int | None:
         if not self._can_reset_peak:
