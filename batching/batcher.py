@@ -39,8 +39,11 @@ class BatcherConfig:
     plan_by_time: bool = False
     """Fit a ``BatchTimeModel`` to the batches that ran and plan with it once fitted."""
     max_reading_age_s: float = 0.1
-    """The memory reading the model thread takes right after a batch sizes the next batch
-    if that one is planned within this long; otherwise the event loop reads anew."""
+    """The latest memory reading (the model thread's, taken right after a batch) sizes the
+    next batch if that one is planned within this long; otherwise the event loop reads anew."""
+    min_reading_interval_s: float = 0.0
+    """The model thread reads memory after a batch only if the latest reading is at least
+    this old; a batch in between is sized from the latest. 0: after every batch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,16 +265,17 @@ class Batcher:
         self._update_depth()
 
     def _take_reading(self) -> MemoryReading | None:
-        """The reading that came back with the last batch if it is recent enough (each is
-        used once), else one read now, on the event loop."""
+        """The latest reading (most often the one that came back with the last batch) if it
+        is recent enough, else one read now, on the event loop."""
         if self._probe is None:
             return None
-        reading, self._reading = self._reading, None
-        fresh = self.clock.now() - self._reading_s <= self.config.max_reading_age_s
-        if reading is not None and fresh:
+        reading = self._reading
+        age_s = self.clock.now() - self._reading_s
+        if reading is not None and age_s <= self.config.max_reading_age_s:
             return reading
         self.num_loop_readings += 1
         reading = self._probe.read()
+        self._reading, self._reading_s = reading, self.clock.now()
         self._publish(reading)
         return reading
 
@@ -300,14 +304,19 @@ class Batcher:
         self, forward: Forward, items: Sequence[Any], settle: bool = False
     ) -> tuple[list[Any], int | None, MemoryReading | None]:
         """Runs on the model thread: the forward pass, its peak memory above baseline
-        (``measured_forward``), and (outside calibration) a memory reading taken just after
-        it, for the next batch's budget: the probe's file reads and device queries stay off
-        the event loop."""
+        (``measured_forward``), and (outside calibration, where the latest reading is at least
+        ``min_reading_interval_s`` old) a memory reading taken just after it, for the next
+        batch's budget: the probe's file reads and device queries stay off the event loop."""
         probe = self._probe
         outputs, peak = measured_forward(
             forward, items, probe=probe, oom_errors=self._oom_errors, settle=settle
         )
-        reading = probe.read() if probe is not None and not settle else None
+        # NOTE: reads what the event loop last set; a reading stored meanwhile only makes
+        # this one early.
+        due = self._reading is None or (
+            self.clock.now() - self._reading_s >= self.config.min_reading_interval_s
+        )
+        reading = probe.read() if probe is not None and not settle and due else None
         return outputs, peak, reading
 
     async def _fill(self, lane: _LaneState, max_items: int, max_tokens: int) -> None:
@@ -366,6 +375,7 @@ class Batcher:
                 self._measured_forward, lane.forward, [p.item for p in live]
             )
         except self._oom_errors as exc:
+            self._reading = None  # the next plan reads what the failed batch left
             lane.sizer.on_oom(len(live), padded_len)
             if len(live) == 1 or not self.config.oom_split:
                 self._count_oom(lane, "failed")
@@ -385,6 +395,7 @@ class Batcher:
             await self._run(lane, second)
             return
         except Exception as exc:
+            self._reading = None
             lane.metrics.batch_failures.inc()
             if isinstance(exc, self._fatal_errors):
                 # NOTE: a device error leaves the device (and any batch after this one) in a

@@ -3,10 +3,13 @@
 - ``bare_app``: the bare Python stack. A FastAPI endpoint with a pydantic body, the bundled
   model's tokenizer, and an orjson answer of 4 floats per input: no queue, no model. What any
   server built on this stack pays per request at least.
+- ``bare_hop_app`` and ``bare_hop_probe_app``: the bare stack handing each answer to a model
+  thread and back, and doing so reading the host's memory around each call (what the
+  replica's path adds, layer by layer: ``python -m bench.layers``).
 - ``no_batching_app``: the bundled model behind a FastAPI endpoint, each request's inputs run
   as one forward pass on one model thread, in arrival order: no batching across requests.
 
-Neither imports ``server``: they run with the libraries' own defaults (torch's thread count,
+None imports ``server``: they run with the libraries' own defaults (torch's thread count,
 OpenMP's spin policy), as such a server would.
 ``python -m uvicorn --factory bench.baselines:bare_app`` serves one.
 """
@@ -14,6 +17,7 @@ OpenMP's spin policy), as such a server would.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +28,8 @@ from starlette.responses import Response
 
 BARE_OUTPUT = [0.5, 0.5, 0.5, 0.5]
 BARE_APP = "bench.baselines:bare_app"
+BARE_HOP_APP = "bench.baselines:bare_hop_app"
+BARE_HOP_PROBE_APP = "bench.baselines:bare_hop_probe_app"
 NO_BATCHING_APP = "bench.baselines:no_batching_app"
 
 
@@ -38,6 +44,46 @@ def _tokenizer_path() -> Path:
 
 
 def bare_app() -> FastAPI:
+    return _bare(None)
+
+
+def bare_hop_app() -> FastAPI:
+    """The bare stack making each answer on a model thread: one hand-off there and back per
+    request, as the server's batcher makes one per batch."""
+    from batching import ModelThread
+
+    thread = ModelThread("batchfit-bench-hop")
+
+    async def answer(outputs: list[list[float]]) -> list[list[float]]:
+        return await thread.call(list, outputs)
+
+    return _bare(answer)
+
+
+def bare_hop_probe_app() -> FastAPI:
+    """``bare_hop_app`` reading the host's memory around each call as the batcher reads it
+    around a batch: the batch's baseline and peak, then the reading that sizes the next one
+    (which the server takes at most every few milliseconds)."""
+    from batching import ModelThread, measured_forward, probes_for_device
+
+    thread = ModelThread("batchfit-bench-hop")
+    probe = probes_for_device("cpu")
+
+    def measured(outputs: list[list[float]]) -> list[list[float]]:
+        answered, _ = measured_forward(list, outputs, probe=probe)
+        probe.read()
+        return answered
+
+    async def answer(outputs: list[list[float]]) -> list[list[float]]:
+        return await thread.call(measured, outputs)
+
+    return _bare(answer)
+
+
+Answer = Callable[[list[list[float]]], Awaitable[list[list[float]]]]
+
+
+def _bare(answer: Answer | None) -> FastAPI:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(_tokenizer_path()))
@@ -48,15 +94,17 @@ def bare_app() -> FastAPI:
     def tokenize(inputs: list[str]) -> int:
         return sum(len(e.ids) for e in tokenizer.encode_batch_fast(inputs))
 
-    def encode_answer(num_inputs: int, num_tokens: int) -> bytes:
-        outputs = [BARE_OUTPUT for _ in range(num_inputs)]
+    def encode_answer(outputs: list[list[float]], num_tokens: int) -> bytes:
         return orjson.dumps({"outputs": outputs, "usage": {"input_tokens": num_tokens}})
 
     @app.post("/v1/infer")
     async def infer(body: InferBody) -> Response:
         inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        answer = encode_answer(len(inputs), tokenize(inputs))
-        return Response(answer, media_type="application/json")
+        num_tokens = tokenize(inputs)
+        outputs = [BARE_OUTPUT for _ in inputs]
+        if answer is not None:
+            outputs = await answer(outputs)
+        return Response(encode_answer(outputs, num_tokens), media_type="application/json")
 
     @app.get("/health/ready")
     async def ready() -> Response:

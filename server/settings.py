@@ -14,6 +14,12 @@ from models import BUNDLED_MODEL, ModelSpec
 
 from .model_list import ModelEntry, model_specs, parse_models, split_list
 
+# After a batch the model thread reads memory for the next one at most this often; a batch in
+# between is sized from the latest reading. The reading costs a serving process's model
+# thread about 0.1 ms on a CPU host (``python -m bench.layers``), as much as a short batch: on
+# batches shorter than this, fresh memory for each of them would cost a good part of it.
+MEMORY_READING_INTERVAL_S = 0.005
+
 
 class Settings(BaseSettings):
     """Every field is also a CLI flag: ``max_batch_size`` is ``--max-batch-size``."""
@@ -354,6 +360,7 @@ class Settings(BaseSettings):
             max_length_ratio=self.max_length_ratio,
             oom_split=self.oom_split,
             plan_by_time=self.plan_by_time,
+            min_reading_interval_s=MEMORY_READING_INTERVAL_S,
         )
 
     def adaptive_config(self) -> AdaptiveConfig:

@@ -44,7 +44,7 @@ class BatcherHarness:
 
     def __init__(self, *, model, clock, registry, model_thread, sizer=None, queue_items=1024,
                  max_wait_s=0.005, probe=None, oom_split=True, plan_by_time=False, lanes=None,
-                 queue_items_per_model=None):  # fmt: skip
+                 queue_items_per_model=None, min_reading_interval_s=0.0):  # fmt: skip
         self.model = model
         self.clock = clock
         self.registry = registry
@@ -60,7 +60,10 @@ class BatcherHarness:
             clock=clock,
             metrics=BatchingMetrics(registry, max_batch_size=32, max_batch_tokens=10_000),
             config=BatcherConfig(
-                max_wait_s=max_wait_s, oom_split=oom_split, plan_by_time=plan_by_time
+                max_wait_s=max_wait_s,
+                oom_split=oom_split,
+                plan_by_time=plan_by_time,
+                min_reading_interval_s=min_reading_interval_s,
             ),
             oom_errors=(ModelOutOfMemory,),
             fatal_errors=(DeviceError,),

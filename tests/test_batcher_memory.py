@@ -113,6 +113,40 @@ async def test_adaptive_budget_follows_free_memory(harness_factory, clock):
     assert h.batcher.num_loop_readings == 2
 
 
+async def test_within_the_reading_interval_batches_are_sized_from_the_latest_reading(
+    harness_factory, clock
+):
+    # As above: 10 MiB free sizes 9 items, and 4 MiB free 3; the memory goes in the first batch.
+    prior = PeakModel(alpha=2**20 / 3, beta=0.0)
+    sizer = AdaptiveSizer(
+        prior,
+        AdaptiveConfig(max_items=32, max_tokens=10_000, headroom_fraction=0.1, safety_factor=1.0),
+    )
+    probe = ScriptedProbe(free_bytes=10 * 2**20)
+    model = TakesMemory(probe)
+    h = harness_factory(model=model, sizer=sizer, probe=probe, min_reading_interval_s=0.05)
+    h.submit(["w"] * 30)
+    model.free_bytes = 4 * 2**20
+    for advance_s in (0.0, 0.0, 0.06, 0.0):
+        clock.advance(advance_s)
+        await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    # The loop's reading (0 s old) sizes the first two; 0.06 s on, the model thread reads
+    # again after the third (still fresh enough to size it), and its reading sizes the fourth.
+    assert model.batch_sizes == [9, 9, 9, 3]
+    assert h.batcher.num_loop_readings == 1
+
+
+async def test_after_a_failed_batch_the_next_is_sized_from_a_new_reading(harness_factory):
+    probe = ScriptedProbe(free_bytes=2**40)
+    h = harness_factory(model=ScriptedModel(oom_above_items=2), probe=probe, oom_split=False,
+                        min_reading_interval_s=60.0)  # fmt: skip
+    h.submit(["a", "b", "c", "d"])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)  # runs out of memory: no reading
+    h.submit(["e"])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert h.batcher.num_loop_readings == 2
+
+
 class OomAbove:
     """A real model that raises our OOM error for batches above ``limit`` items."""
 
