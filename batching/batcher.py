@@ -311,8 +311,7 @@ class Batcher:
         outputs, peak = measured_forward(
             forward, items, probe=probe, oom_errors=self._oom_errors, settle=settle
         )
-        # NOTE: reads what the event loop last set; a reading stored meanwhile only makes
-        # this one early.
+        # NOTE: the event loop set these before this batch, and leaves them until it returns.
         due = self._reading is None or (
             self.clock.now() - self._reading_s >= self.config.min_reading_interval_s
         )

@@ -79,8 +79,8 @@ class CompositeProbe:
                 if state.last is not None:
                     reading = replace(state.last, sources=())
             if reading is not None:
-                # NOTE: the first as it is (what merging it into an empty reading gives): on a
-                # CPU host, whose one probe is read after every batch, nothing is copied.
+                # NOTE: the first as it is (what merging it into an empty reading gives): a
+                # CPU host's one probe, read after batches, comes through uncopied.
                 merged = reading if merged is None else _merge(merged, reading)
         if merged is None:
             return MemoryReading(failing=tuple(failing))
