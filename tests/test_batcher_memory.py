@@ -80,8 +80,10 @@ class TakesMemory(ScriptedModel):
         return super().forward(items)
 
 
-async def test_adaptive_budget_follows_free_memory(harness_factory, clock):
-    # 1 MiB per item (prior: alpha = 1 MiB / 3 tokens); 10 MiB free, 10% headroom: 9 items.
+def memory_taken_in_the_first_batch(harness_factory, **kwargs):
+    """30 inputs of 3 tokens, 1 MiB each (prior: alpha = 1 MiB / 3 tokens), 10% headroom:
+    10 MiB free sizes 9 items, 4 MiB free 3; someone else takes 6 MiB while the first batch
+    runs."""
     prior = PeakModel(alpha=2**20 / 3, beta=0.0)
     sizer = AdaptiveSizer(
         prior,
@@ -89,9 +91,14 @@ async def test_adaptive_budget_follows_free_memory(harness_factory, clock):
     )
     probe = ScriptedProbe(free_bytes=10 * 2**20)
     model = TakesMemory(probe)
-    h = harness_factory(model=model, sizer=sizer, probe=probe)
-    h.submit(["w"] * 30)  # 3 tokens each
-    model.free_bytes = 4 * 2**20  # someone else takes memory while the first batch runs
+    h = harness_factory(model=model, sizer=sizer, probe=probe, **kwargs)
+    h.submit(["w"] * 30)
+    model.free_bytes = 4 * 2**20
+    return h, model, probe
+
+
+async def test_adaptive_budget_follows_free_memory(harness_factory, clock):
+    h, model, probe = memory_taken_in_the_first_batch(harness_factory)
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
     # The reading taken on the model thread just after that batch sizes the next one.
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
@@ -116,17 +123,7 @@ async def test_adaptive_budget_follows_free_memory(harness_factory, clock):
 async def test_within_the_reading_interval_batches_are_sized_from_the_latest_reading(
     harness_factory, clock
 ):
-    # As above: 10 MiB free sizes 9 items, and 4 MiB free 3; the memory goes in the first batch.
-    prior = PeakModel(alpha=2**20 / 3, beta=0.0)
-    sizer = AdaptiveSizer(
-        prior,
-        AdaptiveConfig(max_items=32, max_tokens=10_000, headroom_fraction=0.1, safety_factor=1.0),
-    )
-    probe = ScriptedProbe(free_bytes=10 * 2**20)
-    model = TakesMemory(probe)
-    h = harness_factory(model=model, sizer=sizer, probe=probe, min_reading_interval_s=0.05)
-    h.submit(["w"] * 30)
-    model.free_bytes = 4 * 2**20
+    h, model, _ = memory_taken_in_the_first_batch(harness_factory, min_reading_interval_s=0.05)
     for advance_s in (0.0, 0.0, 0.06, 0.0):
         clock.advance(advance_s)
         await asyncio.wait_for(h.batcher.step(), TIMEOUT)
