@@ -259,6 +259,6 @@ def test_composite_with_no_probes_reads_nothing():
 def test_a_lone_probe_s_reading_passes_through_the_composite_as_it_is():
     reading = MemoryReading(free_bytes=1000, used_bytes=10, sources=("host",))
     probe = type("Lone", (), {"name": "host", "read": lambda self: reading})()
-    assert CompositeProbe([probe]).read() is reading  # read after every batch: no copies
+    assert CompositeProbe([probe]).read() is reading  # read after batches: no copies
     merged = CompositeProbe([probe, probe]).read()
     assert (merged.free_bytes, merged.sources) == (1000, ("host", "host"))
