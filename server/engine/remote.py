@@ -27,7 +27,7 @@ from ..errors import ApiError, draining, model_not_found, not_ready
 from ..heap import freeze_startup_heap
 from ..metrics import ServerMetrics
 from ..runtime import ClientDisconnected, ClientWatch, RequestTrace
-from ..runtime.slot import prepare_call
+from ..runtime.slot import prepare_call, tokenize_inline
 from ..settings import Settings
 from . import wire
 from .link import Link
@@ -319,13 +319,12 @@ class RemoteRuntime:
             slot.model, inputs, truncate=truncate, query=query, prompt=prompt,
             truncation_direction=truncation_direction,
         )  # fmt: skip
-        chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
-        chars += len(prompt or "") * len(inputs)
         # As in one process: a request alone here is tokenized inline up to a larger size.
-        limit = slot.inline_tokenize_chars if self._inferring else slot.idle_inline_chars
+        inline = tokenize_inline(slot, inputs, query=query, prompt=prompt,
+                                 alone=not self._inferring)  # fmt: skip
         self._inferring += 1
         try:
-            items = await self._tokenizer.call(prepare) if chars > limit else prepare()
+            items = prepare() if inline else await self._tokenizer.call(prepare)
             trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
             header, frames = await self._call(
                 wire.INFER, (slot.name, timeout_s, priority, request_id, dimensions),

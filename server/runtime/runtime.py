@@ -41,7 +41,7 @@ from ..errors import ApiError, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
-from .slot import ModelSlot, by_name, make_sizer, make_slots, prepare_call
+from .slot import ModelSlot, by_name, make_sizer, make_slots, prepare_call, tokenize_inline
 from .startup import bound_cache, limit_host_memory, load, log_memory_limit, place_tokenizing
 from .threads import thread_count
 from .trace import RequestTrace
@@ -394,13 +394,11 @@ class Runtime:
             slot.model, inputs, truncate=truncate, query=query, prompt=prompt,
             truncation_direction=truncation_direction,
         )  # fmt: skip
-        chars = sum(len(text) for text in inputs) + len(query or "") * len(inputs)
-        chars += len(prompt or "") * len(inputs)
         alone = self.work.active_requests <= 1  # this one
-        if chars > (slot.idle_inline_chars if alone else slot.inline_tokenize_chars):
-            items = await self.tokenizer_thread.call(prepare)
-        else:
+        if tokenize_inline(slot, inputs, query=query, prompt=prompt, alone=alone):
             items = prepare()
+        else:
+            items = await self.tokenizer_thread.call(prepare)
         return await self._queue_and_wait(
             slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
             trace=trace, client=client, dimensions=dimensions,

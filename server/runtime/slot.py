@@ -202,6 +202,17 @@ def _parameters(prepare: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
         return inspect.signature(prepare).parameters
 
 
+def tokenize_inline(
+    slot: Any, inputs: Sequence[str], *, query: str | None, prompt: str | None, alone: bool
+) -> bool:
+    """Whether a request's text (its inputs, with the query and the prompt each pairs or
+    goes in front of) is short enough to tokenize on the event loop: within ``slot``'s limit
+    for a loop with other requests in progress, or, ``alone``, for a request on its own."""
+    each = len(query or "") + len(prompt or "")
+    chars = sum(len(text) for text in inputs) + each * len(inputs)
+    return chars <= (slot.idle_inline_chars if alone else slot.inline_tokenize_chars)
+
+
 def prepare_call(
     model: Model, inputs: Sequence[str], *, truncate: bool, query: str | None, prompt: str | None,
     truncation_direction: str | None = None,
