@@ -39,9 +39,9 @@ class PollingModelThread(ModelThread):
                 job = self._jobs.get()
             if job is None:
                 return
-            fn, args, loop, future = job
+            fn, args, loop, future, first = job
             self._done()
-            loop.call_soon_threadsafe(_settle, future, fn(*args), None)
+            loop.call_soon_threadsafe(_settle, future, fn(*args), None, first)
 
 
 async def round_trips(thread: ModelThread, *, calls: int, idle_s: float) -> list[float]:
