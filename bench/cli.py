@@ -56,7 +56,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         help="The no-op phase's load generator: wrk (default; the aiohttp client where wrk "
              "is not installed) or aiohttp.")
     add("--overhead-duration-s", type=float, default=None,
-        help="Length of each wrk level of the no-op phase (default: 10; --quick: 2).")
+        help="Length of each wrk level of the no-op phase, for each server, in 2-s rounds "
+             "taking turns with the bare stack (default: 10; --quick: 2).")
     add("--clients", type=_names, default=None,
         help=f"Load generators for the real model, of {','.join(CLIENTS)}: the first drives "
              "every level, the others adaptive's one-client and highest levels and the "

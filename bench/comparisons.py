@@ -27,6 +27,8 @@ NOOP_MODEL = "python:bench.noop:create"
 NOOP = "no-op model"
 BARE = "bare stack"
 NO_BATCHING = "no batching"
+WRK_ROUND_S = 2
+"""A wrk level of the no-op phase runs in rounds this long, the servers in turn."""
 
 
 async def warm_up(url: str, requests: list[list[str]]) -> None:
@@ -105,22 +107,21 @@ def measure_overhead(
         for server in servers.values():
             asyncio.run(warm_up(server.url, singles))
         rows: dict[str, list[LoadSummary]] = {name: [] for name in servers}
+        body = encode_bodies([_short_single(singles)])[0]
         for concurrency in options.overhead_concurrency:
-            for name, server in servers.items():
-                cpu_before = server.cpu_seconds()
-                if use_wrk:
-                    body = encode_bodies([_short_single(singles)])[0]
-                    run = wrk.run_wrk(f"{server.url}/v1/infer", body, connections=concurrency,
-                                      duration_s=options.overhead_duration_s)  # fmt: skip
-                    cpu_s = cpu_delta(cpu_before, server.cpu_seconds())
-                    summary = summarize_wrk(name, run, cpu_s=cpu_s)
-                else:
+            if use_wrk:
+                level = wrk_in_turn(servers, body, concurrency, options.overhead_duration_s)
+            else:
+                level = {}
+                for name, server in servers.items():
+                    cpu_before = server.cpu_seconds()
                     done = asyncio.run(closed_loop(server.url, singles, concurrency=concurrency,
                                                    max_duration_s=options.max_level_s,
                                                    client=options.clients[0]))  # fmt: skip
                     cpu_s = cpu_delta(cpu_before, server.cpu_seconds())
-                    summary = summarize(name, f"c={concurrency}", done.outcomes, done.wall_s,
-                                        cpu_s=cpu_s, client=options.clients[0])  # fmt: skip
+                    level[name] = summarize(name, f"c={concurrency}", done.outcomes, done.wall_s,
+                                            cpu_s=cpu_s, client=options.clients[0])  # fmt: skip
+            for name, summary in level.items():
                 rows[name].append(summary)
                 progress(
                     f"{name} c={concurrency} ({summary.client}): "
@@ -128,6 +129,27 @@ def measure_overhead(
                     f"ms, server CPU {summary.cpu_ms_per_input:.2f} ms/request"
                 )
     return rows[NOOP], rows.get(BARE, [])
+
+
+def wrk_in_turn(
+    servers: dict[str, Replica], body: bytes, connections: int, duration_s: float
+) -> dict[str, LoadSummary]:
+    """Each server under wrk for about ``duration_s`` in all, in rounds of ``WRK_ROUND_S``
+    taking turns, so that a change in the host's speed meanwhile falls on each alike."""
+    num_rounds = max(1, round(duration_s / WRK_ROUND_S))
+    round_s = max(1, round(duration_s / num_rounds))  # wrk takes whole seconds
+    runs: dict[str, list[wrk.WrkResult]] = {name: [] for name in servers}
+    cpu: dict[str, float | None] = dict.fromkeys(servers, 0.0)
+    for _ in range(num_rounds):
+        for name, server in servers.items():
+            cpu_before = server.cpu_seconds()
+            runs[name].append(wrk.run_wrk(f"{server.url}/v1/infer", body,
+                                          connections=connections, duration_s=round_s))  # fmt: skip
+            used, so_far = cpu_delta(cpu_before, server.cpu_seconds()), cpu[name]
+            cpu[name] = None if used is None or so_far is None else so_far + used
+    return {
+        name: summarize_wrk(name, wrk.merge_runs(runs[name]), cpu_s=cpu[name]) for name in servers
+    }
 
 
 def _short_single(singles: list[list[str]]) -> list[str]:

@@ -88,6 +88,11 @@ def overhead_table(rows: Sequence[LoadSummary], bare: Sequence[LoadSummary] = ()
     if not rows:
         return []
     load = rows[0].client
+    turns = (
+        "each level in 2-s rounds, the two taking turns"
+        if load == "wrk"
+        else ("one level of each in turn")
+    )
     lines = [
         "## Server overhead",
         "",
@@ -97,7 +102,7 @@ def overhead_table(rows: Sequence[LoadSummary], bare: Sequence[LoadSummary] = ()
         "CPU time and in latency as the client sees it. Beside it, the bare stack it is built "
         "on: a FastAPI endpoint with a pydantic body, the bundled model's tokenizer and an "
         "orjson answer of 4 floats per input, no queue and no model (`bench/baselines.py`), "
-        f"under the same load ({load}; one level of each in turn). Where the server's CPU goes, "
+        f"under the same load ({load}; {turns}). Where the server's CPU goes, "
         "stage by stage, and the commands that measure it: docs/frontend.md "
         "([in the repository](../frontend.md)).",
         "",

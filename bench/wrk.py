@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -94,3 +95,22 @@ def run_wrk(
     if done.returncode != 0:
         raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr[-2000:]}")
     return parse_output(done.stdout, connections)
+
+
+def merge_runs(runs: list[WrkResult]) -> WrkResult:
+    """Rounds of one level as one run: requests, time and errors summed, the mean weighted by
+    requests, the slowest answer the slowest of all. wrk reports percentiles, not latencies,
+    so p50 and p99 are the median round's."""
+    if not runs or len({run.connections for run in runs}) != 1:
+        raise ValueError("merge rounds of one level: one connection count, at least one run")
+    requests = sum(run.requests for run in runs)
+    return WrkResult(
+        connections=runs[0].connections,
+        requests=requests,
+        duration_s=sum(run.duration_s for run in runs),
+        mean_s=sum(run.mean_s * run.requests for run in runs) / requests if requests else 0.0,
+        p50_s=statistics.median(run.p50_s for run in runs),
+        p99_s=statistics.median(run.p99_s for run in runs),
+        max_s=max(run.max_s for run in runs),
+        errors=sum(run.errors for run in runs),
+    )

@@ -2,6 +2,7 @@
 
 import pytest
 
+from bench import comparisons
 from bench.stages import (
     ENDPOINT,
     EVENT_LOOP,
@@ -15,7 +16,7 @@ from bench.stages import (
     render,
     stage_table,
 )
-from bench.wrk import WrkResult, lua_script, parse_output
+from bench.wrk import WrkResult, lua_script, merge_runs, parse_output
 
 LOOP, MODEL = "thread (100): MainThread", "thread (101): batchfit-model_0"
 RUNNER = "Runner.run (asyncio/runners.py:118)"
@@ -97,3 +98,43 @@ def test_wrk_script_posts_the_body_and_its_summary_parses():
     assert run.requests_per_s == 1000
     with pytest.raises(RuntimeError, match="no summary"):
         parse_output("wrk died", connections=1)
+
+
+def test_rounds_of_one_level_merge_into_one_run():
+    rounds = [
+        WrkResult(1, 1000, 2.0, 400e-6, 380e-6, 900e-6, 2e-3, 0),
+        WrkResult(1, 3000, 2.0, 600e-6, 560e-6, 1200e-6, 5e-3, 2),
+        WrkResult(1, 2000, 2.0, 500e-6, 470e-6, 1000e-6, 3e-3, 1),
+    ]
+    run = merge_runs(rounds)
+    assert run.requests == 6000 and run.duration_s == 6.0 and run.errors == 3
+    assert run.mean_s == pytest.approx((0.4 + 1.8 + 1.0) / 6 * 1e-3)  # weighted by requests
+    assert (run.p50_s, run.p99_s, run.max_s) == (470e-6, 1000e-6, 5e-3)
+    with pytest.raises(ValueError):
+        merge_runs([rounds[0], WrkResult(32, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 0)])
+
+
+class _Server:
+    def __init__(self, url, cpu_s):
+        self.url, self._cpu = url, iter(cpu_s)
+
+    def cpu_seconds(self):
+        return next(self._cpu)
+
+
+def test_the_no_op_phase_runs_each_level_in_rounds_taking_turns(monkeypatch):
+    calls = []
+
+    def fake_wrk(url, body, *, connections, duration_s):
+        calls.append((url, duration_s))
+        return WrkResult(connections, 100, float(duration_s), 1e-3, 1e-3, 2e-3, 3e-3, 0)
+
+    monkeypatch.setattr(comparisons.wrk, "run_wrk", fake_wrk)
+    servers = {"a": _Server("http://a", [0.0, 0.1, 0.1, 0.3]),
+               "b": _Server("http://b", [1.0, 1.5, 1.5, 1.6])}  # fmt: skip
+    level = comparisons.wrk_in_turn(servers, b"{}", 1, duration_s=4)
+    assert [url for url, _ in calls] == ["http://a/v1/infer", "http://b/v1/infer"] * 2
+    assert {seconds for _, seconds in calls} == {2}
+    assert level["a"].num_requests == 200 and level["a"].wall_s == 4.0
+    assert level["a"].cpu_ms_per_input == pytest.approx(300 / 200)
+    assert level["b"].cpu_ms_per_input == pytest.approx(600 / 200)
