@@ -11,7 +11,6 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from .clock import Clock
@@ -370,12 +369,10 @@ class Batcher:
             if pending.started_s is None:
                 pending.started_s = started
             pending.batch = (self.num_batches, len(live))
-        answered: list[tuple[float, bool]] = []  # when, and whether the outputs fit
         try:
             outputs, peak, reading = await self._model_thread.call(
-                self._measured_forward, lane.forward, [p.item for p in live],
-                first=partial(self._answer_first, live, answered),
-            )  # fmt: skip
+                self._measured_forward, lane.forward, [p.item for p in live]
+            )
         except self._oom_errors as exc:
             self._reading = None  # the next plan reads what the failed batch left
             lane.sizer.on_oom(len(live), padded_len)
@@ -412,40 +409,15 @@ class Batcher:
             for pending in live:
                 _fail(pending, InferenceFailed("inference failed"))
             return
-        # Answered already (``_answer_first``), unless that raised: then again here, so that
-        # the error ends the loop as any other error of the batcher's does.
-        ended_s, fits = answered[0] if answered else (self.clock.now(), self._answer(live, outputs))
-        elapsed = ended_s - started
+        elapsed = self.clock.now() - started
         if reading is not None:
             self._reading, self._reading_s = reading, started + elapsed
         lane.metrics.batch_duration.observe(elapsed)
-        if not fits:
-            return
-        # NOTE: the requests waiting on this batch resume before this task does, so what
-        # follows (the sizer, a refit of the time model: a few least-squares fits every few
-        # batches) does not delay their answers.
-        if reading is not None:
-            self._publish(reading)
-        lane.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
-        if lane.time_model is not None:
-            lane.time_model.observe(len(live), padded_len, elapsed)
-        self._record_peak(lane, predicted, peak)
-
-    def _answer_first(
-        self, live: Sequence[Pending], answered: list[tuple[float, bool]], result: Any
-    ) -> None:
-        """The batch's answers, in the callback that brings its outputs back to the loop."""
-        ended_s = self.clock.now()
-        answered.append((ended_s, self._answer(live, result[0])))
-
-    def _answer(self, live: Sequence[Pending], outputs: Any) -> bool:
-        """Settle each item's future with its output; False (each failed) where the model
-        returned the wrong number of outputs."""
         if len(outputs) != len(live):
             log.error("model returned %d outputs for %d inputs", len(outputs), len(live))
             for pending in live:
                 _fail(pending, InferenceFailed("model returned the wrong number of outputs"))
-            return False
+            return
         orphans = 0
         for pending, output in zip(live, outputs, strict=True):
             if pending.future.done():
@@ -454,7 +426,14 @@ class Batcher:
                 pending.future.set_result(output)
         if orphans:
             self.metrics.cancelled.labels("running").inc(orphans)
-        return True
+        # NOTE: after the futures: a refit of the time model (every few batches, a few
+        # least-squares fits on the event loop) must not delay this batch's answers.
+        if reading is not None:
+            self._publish(reading)
+        lane.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
+        if lane.time_model is not None:
+            lane.time_model.observe(len(live), padded_len, elapsed)
+        self._record_peak(lane, predicted, peak)
 
     def _record_prediction(self, lane: _LaneState, num_items: int, padded_len: int) -> float | None:
         budget = lane.budget

@@ -3,9 +3,8 @@
 torch on CPU loses 30-40% when its forwards hop between threads, so one thread runs them all.
 A call crosses threads once each way: the job goes in through a ``SimpleQueue`` and its
 outcome comes back to the event loop in one ``call_soon_threadsafe``, which settles the
-awaiting future (after handing a result to the call's ``first``, if it has one).
-(``loop.run_in_executor`` pays for a ``concurrent.futures.Future``, its condition variable,
-and a chain of callbacks between the two futures on every call.)
+awaiting future. (``loop.run_in_executor`` pays for a ``concurrent.futures.Future``, its
+condition variable, and a chain of callbacks between the two futures on every call.)
 """
 
 from __future__ import annotations
@@ -19,10 +18,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-_First = Callable[[Any], object] | None
-_Job = tuple[
-    Callable[..., Any], tuple[Any, ...], asyncio.AbstractEventLoop, asyncio.Future[Any], _First
-]
+_Job = tuple[Callable[..., Any], tuple[Any, ...], asyncio.AbstractEventLoop, asyncio.Future[Any]]
 
 
 class ModelThread:
@@ -39,11 +35,10 @@ class ModelThread:
         """Calls handed to the thread so far (each is one hop there and one back)."""
         self._unfinished = 0  # calls queued or running; read by ``busy``
 
-    async def call(self, fn: Callable[..., T], *args: Any, first: _First = None) -> T:
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the thread; its result or exception comes back here. If the
         caller is cancelled first, a call still queued is skipped; a running one finishes
-        and its outcome is dropped. ``first`` gets a result on the loop, in the same callback
-        that settles the call, before the caller resumes (what it raises is dropped)."""
+        and its outcome is dropped."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._lock:
@@ -54,7 +49,7 @@ class ModelThread:
                 self._thread.start()
             self.num_calls += 1
             self._unfinished += 1
-            self._jobs.put((fn, args, loop, future, first))
+            self._jobs.put((fn, args, loop, future))
         return await future
 
     @property
@@ -80,7 +75,7 @@ class ModelThread:
                     break
                 if job is not None:
                     self._unfinished -= 1
-                    _, _, loop, future, _ = job
+                    _, _, loop, future = job
                     with contextlib.suppress(RuntimeError):  # its loop is already closed
                         loop.call_soon_threadsafe(future.cancel)
             self._jobs.put(None)
@@ -92,7 +87,7 @@ class ModelThread:
             job = self._jobs.get()
             if job is None:
                 return
-            fn, args, loop, future, first = job
+            fn, args, loop, future = job
             # NOTE: read from another thread, but only ever set once (on the loop); a call
             # cancelled just after this check runs anyway and its outcome is dropped.
             if future.cancelled():
@@ -106,19 +101,14 @@ class ModelThread:
                 error = exc
             self._done()
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(_settle, future, result, error, first)
-            del job, fn, args, result, error, first  # no reference outlives the call
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            del job, fn, args, result, error  # no reference outlives the call
 
 
-def _settle(
-    future: asyncio.Future[Any], result: Any, error: BaseException | None, first: _First
-) -> None:
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     if future.done():
         return
     if error is None:
-        if first is not None:
-            with contextlib.suppress(Exception):
-                first(result)
         future.set_result(result)
     else:
         future.set_exception(error)

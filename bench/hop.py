@@ -39,9 +39,9 @@ class PollingModelThread(ModelThread):
                 job = self._jobs.get()
             if job is None:
                 return
-            fn, args, loop, future, first = job
+            fn, args, loop, future = job
             self._done()
-            loop.call_soon_threadsafe(_settle, future, fn(*args), None, first)
+            loop.call_soon_threadsafe(_settle, future, fn(*args), None)
 
 
 async def round_trips(thread: ModelThread, *, calls: int, idle_s: float) -> list[float]:

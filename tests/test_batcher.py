@@ -215,33 +215,3 @@ async def test_answers_are_out_before_the_time_model_learns_from_the_batch(harne
     h.batcher.lanes["scripted"].time_model.observe = spy
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
     assert seen == [[True, True]]
-
-
-class ObservingSizer(FixedSizer):
-    """Notes in ``events`` when the batcher tells it about a batch that ran."""
-
-    def __init__(self, events):
-        super().__init__(max_items=32, max_tokens=10_000)
-        self.events = events
-
-    def observe(self, outcome):
-        self.events.append("sizer")
-        super().observe(outcome)
-
-
-async def test_requests_resume_before_the_batchers_bookkeeping(harness_factory):
-    # The outputs come back to the loop in one callback that settles the items' futures: a
-    # request waiting on one answers before the batcher learns from the batch.
-    events = []
-    h = harness_factory(sizer=ObservingSizer(events))
-    pending, other = h.submit(["a", "b"])
-
-    async def request():
-        await pending.future
-        events.append("request")
-
-    waiting = asyncio.create_task(request())
-    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
-    await asyncio.wait_for(waiting, TIMEOUT)
-    assert events == ["request", "sizer"]
-    assert other.future.result() == "out:b"
