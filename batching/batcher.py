@@ -426,8 +426,10 @@ class Batcher:
                 pending.future.set_result(output)
         if orphans:
             self.metrics.cancelled.labels("running").inc(orphans)
-        # NOTE: after the futures: a refit of the time model (every few batches, a few
-        # least-squares fits on the event loop) must not delay this batch's answers.
+        # NOTE: the requests waiting on these futures resume only once this task yields: after
+        # the sizer and the time model have learnt from this batch (the next plan needs them)
+        # and, where more work waits, the next batch is on the model thread. So the answers
+        # are encoded while the model runs it, not with the model idle.
         if reading is not None:
             self._publish(reading)
         lane.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))

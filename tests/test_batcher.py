@@ -215,3 +215,31 @@ async def test_answers_are_out_before_the_time_model_learns_from_the_batch(harne
     h.batcher.lanes["scripted"].time_model.observe = spy
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
     assert seen == [[True, True]]
+
+
+async def test_the_next_batch_goes_to_the_model_before_the_last_ones_requests_resume(
+    harness_factory, model_thread
+):
+    # The requests' own tasks encode their answers: the model does not idle meanwhile.
+    h = harness_factory(sizer=FixedSizer(max_items=2, max_tokens=10_000))
+    pendings = h.submit(["a", "b", "c", "d"])
+    first = pendings[0]
+    calls_before = model_thread.num_calls
+
+    async def request():
+        await first.future
+        return model_thread.num_calls - calls_before
+
+    waiting = asyncio.create_task(request())
+    task = asyncio.create_task(h.batcher.run())
+    try:
+        assert await asyncio.wait_for(waiting, TIMEOUT) == 2  # its batch and the next
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert all(p.future.done() for p in pendings)
+    assert [p.future.result() for p in pendings[:2]] == ["out:a", "out:b"]
+    for p in pendings[2:]:  # the next batch answered, or the stop failed it
+        error = p.future.exception()
+        assert error is None or isinstance(error, ShuttingDown)
