@@ -88,11 +88,9 @@ def overhead_table(rows: Sequence[LoadSummary], bare: Sequence[LoadSummary] = ()
     if not rows:
         return []
     load = rows[0].client
-    turns = (
-        "each level in 2-s rounds, the two taking turns"
-        if load == "wrk"
-        else ("one level of each in turn")
-    )
+    turns = "one level of each in turn"
+    if load == "wrk":
+        turns = "each level in 2-s rounds, the two taking turns"
     lines = [
         "## Server overhead",
         "",
