@@ -9,8 +9,9 @@
 - ``no_batching_app``: the bundled model behind a FastAPI endpoint, each request's inputs run
   as one forward pass on one model thread, in arrival order: no batching across requests.
 
-None imports ``server``: they run with the libraries' own defaults (torch's thread count,
-OpenMP's spin policy), as such a server would.
+None imports ``server``: they run with torch's own thread count, as such a server would,
+and with the OpenMP spin of the process that starts them (``batchfit bench``'s is the
+server's, unless ``GOMP_SPINCOUNT`` is set), so that a comparison is not one of spin.
 ``python -m uvicorn --factory bench.baselines:bare_app`` serves one.
 """
 
