@@ -139,17 +139,22 @@ def wrk_in_turn(
     num_rounds = max(1, round(duration_s / WRK_ROUND_S))
     round_s = max(1, round(duration_s / num_rounds))  # wrk takes whole seconds
     runs: dict[str, list[wrk.WrkResult]] = {name: [] for name in servers}
-    cpu: dict[str, float | None] = dict.fromkeys(servers, 0.0)
+    cpu: dict[str, list[float | None]] = {name: [] for name in servers}
     for _ in range(num_rounds):
         for name, server in servers.items():
             cpu_before = server.cpu_seconds()
             runs[name].append(wrk.run_wrk(f"{server.url}/v1/infer", body,
                                           connections=connections, duration_s=round_s))  # fmt: skip
-            used, so_far = cpu_delta(cpu_before, server.cpu_seconds()), cpu[name]
-            cpu[name] = None if used is None or so_far is None else so_far + used
+            cpu[name].append(cpu_delta(cpu_before, server.cpu_seconds()))
     return {
-        name: summarize_wrk(name, wrk.merge_runs(runs[name]), cpu_s=cpu[name]) for name in servers
+        name: summarize_wrk(name, wrk.merge_runs(runs[name]), cpu_s=_total(cpu[name]))
+        for name in servers
     }
+
+
+def _total(seconds: list[float | None]) -> float | None:
+    """The sum, or None where any one could not be read."""
+    return None if None in seconds else sum(s for s in seconds if s is not None)
 
 
 def _short_single(singles: list[list[str]]) -> list[str]:

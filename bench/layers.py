@@ -46,7 +46,7 @@ def measure(replica: Replica, layer: str, connections: int, duration_s: float) -
     run = run_wrk(f"{replica.url}/v1/infer", BODY, connections=connections, duration_s=duration_s)
     after = thread_cpu_seconds(pid)
     used = {tid: seconds - before.get(tid, 0.0) for tid, seconds in after.items()}
-    num_requests = max(1, round(run.requests_per_s * duration_s))
+    num_requests = max(1, run.requests)  # wrk ran for exactly the measured window
     loop_s = used.pop(pid, 0.0)
     return LayerRun(layer, connections, run.mean_s, loop_s / num_requests,
                     sum(used.values()) / num_requests)  # fmt: skip
