@@ -20,6 +20,8 @@ import uvloop
 
 from batching.model_thread import ModelThread, _settle
 
+_NOTHING = object()
+
 
 class PollingModelThread(ModelThread):
     """A model thread that polls its queue for ``spin_s`` before it blocks on it."""
@@ -30,12 +32,13 @@ class PollingModelThread(ModelThread):
 
     def _work(self) -> None:
         while True:
-            job: Any = None
+            # NOTE: not None: that is close()'s sentinel, which a poll must not swallow.
+            job: Any = _NOTHING
             end = time.perf_counter() + self.spin_s
-            while job is None and time.perf_counter() < end:
+            while job is _NOTHING and time.perf_counter() < end:
                 with contextlib.suppress(queue.Empty):
                     job = self._jobs.get_nowait()
-            if job is None:
+            if job is _NOTHING:
                 job = self._jobs.get()
             if job is None:
                 return
