@@ -26,18 +26,40 @@ def measured_forward(
     the resident peak than it needs; calibrated on such a reading, the sizer under-predicted a
     5 x 256 batch by 28% and overshot --memory-limit. After an OOM error the probe releases
     its cache (``release_cache()``: the CUDA allocator's), then the error propagates."""
+    outputs, baseline = forward_from_baseline(
+        forward, items, probe=probe, oom_errors=oom_errors, settle=settle
+    )
+    return outputs, peak_above(probe, baseline)
+
+
+def forward_from_baseline(
+    forward: Forward,
+    items: Sequence[Any],
+    *,
+    probe: MemoryProbe | None,
+    oom_errors: tuple[type[BaseException], ...] = (),
+    settle: bool = False,
+) -> tuple[list[Any], int | None]:
+    """``measured_forward``'s first half: the forward pass and the memory in use before it
+    (the baseline, None without a probe). ``peak_above`` is the second, which may come
+    later: the probe's peak only grows until the next ``start_batch``."""
     settle_memory = getattr(probe, "settle", None) if settle else None
     if settle_memory is not None:
         settle_memory()
     baseline = probe.start_batch() if probe is not None else None
     try:
-        outputs = forward(items)
+        return forward(items), baseline
     except oom_errors:
         release = getattr(probe, "release_cache", None)
         if release is not None:
             release()
         raise
-    peak = probe.batch_peak() if probe is not None else None
+
+
+def peak_above(probe: MemoryProbe | None, baseline: int | None) -> int | None:
+    """The peak since ``forward_from_baseline`` started its pass, above its baseline (None
+    where either is unknown)."""
+    peak = probe.batch_peak() if probe is not None and baseline is not None else None
     if baseline is None or peak is None:
-        return outputs, None
-    return outputs, max(0, peak - baseline)
+        return None
+    return max(0, peak - baseline)

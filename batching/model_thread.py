@@ -4,7 +4,8 @@ torch on CPU loses 30-40% when its forwards hop between threads, so one thread r
 A call crosses threads once each way: the job goes in through a ``SimpleQueue`` and its
 outcome comes back to the event loop in one ``call_soon_threadsafe``, which settles the
 awaiting future. (``loop.run_in_executor`` pays for a ``concurrent.futures.Future``, its
-condition variable, and a chain of callbacks between the two futures on every call.)
+condition variable, and a chain of callbacks between the two futures on every call.) A call
+in two parts (``call_then``) hands its answer back first and the rest of its work after it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+U = TypeVar("U")
 
-_Job = tuple[Callable[..., Any], tuple[Any, ...], asyncio.AbstractEventLoop, asyncio.Future[Any]]
+_Job = tuple[
+    Callable[..., Any],
+    tuple[Any, ...],
+    asyncio.AbstractEventLoop,
+    asyncio.Future[Any],
+    asyncio.Future[Any] | None,  # a call in two parts: the rest's outcome
+]
 
 
 class ModelThread:
@@ -41,6 +49,25 @@ class ModelThread:
         and its outcome is dropped."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
+        self._submit((fn, args, loop, future, None))
+        return await future
+
+    async def call_then(
+        self, fn: Callable[..., tuple[T, Callable[[], U] | None]], *args: Any
+    ) -> tuple[T, asyncio.Future[U | None]]:
+        """Run ``fn(*args)`` on the thread; it returns ``(answer, then)``. The answer comes
+        back at once, with a future for ``then``: where ``then`` is a callable, it runs on
+        the thread next, its result or exception settling that future in a second hand-back;
+        where it is None, the future is settled with None in the same hand-back as the
+        answer. An exception from ``fn`` comes back here, the future cancelled with it.
+        Cancelled like ``call``; a ``then`` whose caller is gone runs all the same."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[T] = loop.create_future()
+        rest: asyncio.Future[U | None] = loop.create_future()
+        self._submit((fn, args, loop, answer, rest))
+        return await answer, rest
+
+    def _submit(self, job: _Job) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("cannot schedule new calls after the model thread closed")
@@ -49,8 +76,7 @@ class ModelThread:
                 self._thread.start()
             self.num_calls += 1
             self._unfinished += 1
-            self._jobs.put((fn, args, loop, future))
-        return await future
+            self._jobs.put(job)
 
     @property
     def busy(self) -> bool:
@@ -75,9 +101,9 @@ class ModelThread:
                     break
                 if job is not None:
                     self._unfinished -= 1
-                    _, _, loop, future = job
+                    _, _, loop, future, rest = job
                     with contextlib.suppress(RuntimeError):  # its loop is already closed
-                        loop.call_soon_threadsafe(future.cancel)
+                        loop.call_soon_threadsafe(_cancel, future, rest)
             self._jobs.put(None)
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
@@ -87,22 +113,55 @@ class ModelThread:
             job = self._jobs.get()
             if job is None:
                 return
-            fn, args, loop, future = job
+            fn, args, loop, future, rest = job
             # NOTE: read from another thread, but only ever set once (on the loop); a call
             # cancelled just after this check runs anyway and its outcome is dropped.
             if future.cancelled():
                 self._done()
+                if rest is not None:
+                    self._hand_back(loop, _cancel, rest)
                 continue
             result: Any = None
+            then: Callable[[], Any] | None = None
             error: BaseException | None = None
             try:
                 result = fn(*args)
+                if rest is not None:
+                    result, then = result
             except BaseException as exc:  # every outcome goes back to the caller
                 error = exc
-            self._done()
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(_settle, future, result, error)
-            del job, fn, args, result, error  # no reference outlives the call
+            if then is not None:
+                self._hand_back(loop, _settle, future, result, None)
+                self._run_then(loop, rest, then)
+            else:
+                self._done()
+                if rest is None:
+                    self._hand_back(loop, _settle, future, result, error)
+                else:
+                    self._hand_back(loop, _settle_both, future, result, error, rest)
+            del job, fn, args, result, then, error  # no reference outlives the call
+
+    def _run_then(
+        self, loop: asyncio.AbstractEventLoop, rest: asyncio.Future[Any] | None,
+        then: Callable[[], Any],
+    ) -> None:  # fmt: skip
+        """The second part of a call in two parts, once its answer is on its way back."""
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = then()
+        except BaseException as exc:
+            error = exc
+        self._done()
+        if rest is not None:
+            self._hand_back(loop, _settle, rest, result, error)
+
+    @staticmethod
+    def _hand_back(
+        loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any
+    ) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(callback, *args)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -112,3 +171,22 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_result(result)
     else:
         future.set_exception(error)
+
+
+def _settle_both(
+    future: asyncio.Future[Any], result: Any, error: BaseException | None,
+    rest: asyncio.Future[Any],
+) -> None:  # fmt: skip
+    """A call in two parts that ended in one: its answer (or the exception that took its
+    place) and, with it, its rest (None, or cancelled after an exception)."""
+    _settle(future, result, error)
+    if error is None:
+        _settle(rest, None, None)
+    else:
+        rest.cancel()
+
+
+def _cancel(future: asyncio.Future[Any], rest: asyncio.Future[Any] | None = None) -> None:
+    future.cancel()
+    if rest is not None:
+        rest.cancel()

@@ -42,7 +42,7 @@ class PollingModelThread(ModelThread):
                 job = self._jobs.get()
             if job is None:
                 return
-            fn, args, loop, future = job
+            fn, args, loop, future, _ = job  # only ``call``: no second part
             self._done()
             loop.call_soon_threadsafe(_settle, future, fn(*args), None)
 

@@ -5,7 +5,7 @@ import pytest
 
 from batching import DeadlineExceeded, FixedSizer, InferenceFailed, OutOfMemory, ShuttingDown
 from models import DeviceError
-from tests.fakes import ScriptedModel
+from tests.fakes import ScriptedModel, ScriptedProbe
 
 TIMEOUT = 10  # guard against hangs only
 
@@ -243,3 +243,54 @@ async def test_the_next_batch_goes_to_the_model_before_the_last_ones_requests_re
     for p in pendings[2:]:  # the next batch answered, or the stop failed it
         error = p.future.exception()
         assert error is None or isinstance(error, ShuttingDown)
+
+
+class SlowReadingProbe(ScriptedProbe):
+    """Its reads on the model thread wait for ``release``."""
+
+    def __init__(self):
+        super().__init__(free_bytes=2**40)
+        self.release = threading.Event()
+        self.model_thread_reads = 0
+
+    def read(self):
+        if threading.current_thread() is not threading.main_thread():
+            self.model_thread_reads += 1
+            assert self.release.wait(TIMEOUT)
+        return super().read()
+
+
+async def test_a_lone_batchs_answers_go_back_before_the_memory_reading_after_it(harness_factory):
+    probe = SlowReadingProbe()
+    h = harness_factory(probe=probe)
+    pendings = h.submit(["a", "b b"])
+    step = asyncio.create_task(h.batcher.step())
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            while not all(p.future.done() for p in pendings):
+                await asyncio.sleep(0.001)
+        assert [p.future.result() for p in pendings] == ["out:a", "out:b b"]
+        assert probe.model_thread_reads == 1 and not step.done()  # still reading
+    finally:
+        probe.release.set()
+    assert await asyncio.wait_for(step, TIMEOUT) == 2
+    assert h.batcher.num_loop_readings == 1  # the next batch is sized from the model thread's
+
+
+async def test_with_work_waiting_the_reading_after_a_batch_goes_back_with_its_answers(
+    harness_factory,
+):
+    probe = SlowReadingProbe()
+    h = harness_factory(probe=probe, sizer=FixedSizer(max_items=1, max_tokens=100))
+    pendings = h.submit(["a", "b"])  # two batches: "b" waits while "a" runs
+    step = asyncio.create_task(h.batcher.step())
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            while not probe.model_thread_reads:
+                await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # time enough for an answer sent back before the reading
+        assert not pendings[0].future.done()
+    finally:
+        probe.release.set()
+    assert await asyncio.wait_for(step, TIMEOUT) == 1
+    assert pendings[0].future.result() == "out:a"

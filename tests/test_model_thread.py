@@ -4,6 +4,8 @@ for a forward pass that cannot be interrupted."""
 import asyncio
 import threading
 
+import pytest
+
 from batching import ModelThread
 
 
@@ -23,4 +25,53 @@ async def test_busy_while_a_call_runs_even_once_its_caller_is_cancelled():
         assert not thread.busy
     finally:
         release.set()
+        thread.close()
+
+
+async def test_a_call_in_two_parts_answers_before_its_second_part_ends():
+    thread = ModelThread("test-then")
+    release = threading.Event()
+    try:
+        answer, rest = await asyncio.wait_for(
+            thread.call_then(lambda: ("answer", lambda: release.wait(10) and "rest")), 10
+        )
+        assert answer == "answer"
+        assert not rest.done() and thread.busy  # the second part runs on
+        release.set()
+        assert await asyncio.wait_for(rest, 10) == "rest"
+        assert not thread.busy
+    finally:
+        release.set()
+        thread.close()
+
+
+async def test_a_call_in_two_parts_without_a_second_part_settles_both_at_once():
+    thread = ModelThread("test-then-none")
+    try:
+        answer, rest = await thread.call_then(lambda: ("answer", None))
+        assert answer == "answer"
+        await asyncio.sleep(0)  # settled in the same hand-back, not a later one
+        assert rest.done() and rest.result() is None
+    finally:
+        thread.close()
+
+
+async def test_a_call_in_two_parts_hands_back_each_parts_exception():
+    thread = ModelThread("test-then-errors")
+
+    def first_fails():
+        raise ValueError("first")
+
+    def second_fails():
+        raise KeyError("second")
+
+    try:
+        with pytest.raises(ValueError, match="first"):
+            await thread.call_then(first_fails)
+        answer, rest = await thread.call_then(lambda: ("answer", second_fails))
+        assert answer == "answer"
+        with pytest.raises(KeyError, match="second"):
+            await asyncio.wait_for(rest, 10)
+        assert await thread.call(int) == 0  # the thread carries on
+    finally:
         thread.close()
