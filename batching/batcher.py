@@ -316,32 +316,34 @@ class Batcher:
 
     def _forward(self, forward: Forward, items: Sequence[Any]) -> tuple[_Answer, _Measure | None]:
         """Runs on the model thread (``ModelThread.call_then``): the forward pass, then what
-        ``_measure`` reads after it. Where work waits, the reading goes back with the outputs,
-        so that the next batch is planned from it at once. Where none waits, the outputs go
-        back first and the reading follows: read just after a forward pass, with the caches
-        cold, it cost a lone all-MiniLM-L6-v2 request about 0.4 ms on a 2-CPU host."""
+        ``_measure`` reads after it. Where work waits, or no reading is due, the measurement
+        goes back with the outputs (without a reading it is one file read), so that the next
+        batch is planned from it at once. Where none waits and a reading is due, the outputs
+        go back first and the measurement follows: taken just after a forward pass, with the
+        caches cold, it cost a lone all-MiniLM-L6-v2 request about 0.4 ms on a 2-CPU host,
+        where a second hand-back after a short pass cost more than it saved."""
         outputs, baseline = forward_from_baseline(
             forward, items, probe=self._probe, oom_errors=self._oom_errors
         )
-        measure = functools.partial(self._measure, baseline)
-        # NOTE: the queue's length, read from the model thread: a stale one only changes
-        # which of the two goes back first.
-        if len(self.queue):
-            return (outputs, measure()), None
-        return (outputs, None), measure
-
-    def _measure(self, baseline: int | None) -> _Measurement:
-        """Runs on the model thread, after a batch: its peak memory above ``baseline``, and
-        (where the latest reading is at least ``min_reading_interval_s`` old) a memory
-        reading for the next batch's budget: the probe's file reads and device queries stay
-        off the event loop."""
-        probe = self._probe
-        peak = peak_above(probe, baseline)
         # NOTE: the event loop set these before this batch, and leaves them until it returns.
         due = self._reading is None or (
             self.clock.now() - self._reading_s >= self.config.min_reading_interval_s
         )
-        return peak, probe.read() if probe is not None and due else None
+        measure = functools.partial(self._measure, baseline, due)
+        # NOTE: the queue's length, read from the model thread: a stale one only changes
+        # which of the two goes back first.
+        if len(self.queue) or not due:
+            return (outputs, measure()), None
+        return (outputs, None), measure
+
+    def _measure(self, baseline: int | None, read: bool) -> _Measurement:
+        """Runs on the model thread, after a batch: its peak memory above ``baseline`` and,
+        with ``read`` (the latest reading is at least ``min_reading_interval_s`` old), a
+        memory reading for the next batch's budget: the probe's file reads and device
+        queries stay off the event loop."""
+        probe = self._probe
+        peak = peak_above(probe, baseline)
+        return peak, probe.read() if probe is not None and read else None
 
     async def _fill(self, lane: _LaneState, max_items: int, max_tokens: int) -> None:
         """Wait up to ``max_wait_s`` from the lane's oldest item's arrival for a full batch."""

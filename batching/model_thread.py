@@ -152,9 +152,9 @@ class ModelThread:
             result = then()
         except BaseException as exc:
             error = exc
-        self._done()
         if rest is not None:
             self._hand_back(loop, _settle, rest, result, error)
+        self._done()  # after: once not busy, the thread has handed back all it will
 
     @staticmethod
     def _hand_back(

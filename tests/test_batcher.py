@@ -246,51 +246,70 @@ async def test_the_next_batch_goes_to_the_model_before_the_last_ones_requests_re
 
 
 class SlowReadingProbe(ScriptedProbe):
-    """Its reads on the model thread wait for ``release``."""
+    """Its peak and its reads on the model thread wait for ``release``."""
 
     def __init__(self):
         super().__init__(free_bytes=2**40)
         self.release = threading.Event()
-        self.model_thread_reads = 0
+        self.model_thread_calls = []
+
+    def _wait(self, what):
+        if threading.current_thread() is not threading.main_thread():
+            self.model_thread_calls.append(what)
+            assert self.release.wait(TIMEOUT)
+
+    def start_batch(self):
+        return 0
+
+    def batch_peak(self):
+        self._wait("peak")
+        return 0
 
     def read(self):
-        if threading.current_thread() is not threading.main_thread():
-            self.model_thread_reads += 1
-            assert self.release.wait(TIMEOUT)
+        self._wait("read")
         return super().read()
 
 
-async def test_a_lone_batchs_answers_go_back_before_the_memory_reading_after_it(harness_factory):
-    probe = SlowReadingProbe()
-    h = harness_factory(probe=probe)
-    pendings = h.submit(["a", "b b"])
-    step = asyncio.create_task(h.batcher.step())
-    try:
-        async with asyncio.timeout(TIMEOUT):
-            while not all(p.future.done() for p in pendings):
-                await asyncio.sleep(0.001)
-        assert [p.future.result() for p in pendings] == ["out:a", "out:b b"]
-        assert probe.model_thread_reads == 1 and not step.done()  # still reading
-    finally:
-        probe.release.set()
-    assert await asyncio.wait_for(step, TIMEOUT) == 2
-    assert h.batcher.num_loop_readings == 1  # the next batch is sized from the model thread's
+async def wait_until(predicate):
+    async with asyncio.timeout(TIMEOUT):
+        while not predicate():
+            await asyncio.sleep(0.001)
 
 
-async def test_with_work_waiting_the_reading_after_a_batch_goes_back_with_its_answers(
+async def test_a_lone_batchs_answers_go_back_before_the_memory_measurement_after_it(
     harness_factory,
 ):
     probe = SlowReadingProbe()
-    h = harness_factory(probe=probe, sizer=FixedSizer(max_items=1, max_tokens=100))
-    pendings = h.submit(["a", "b"])  # two batches: "b" waits while "a" runs
+    h = harness_factory(probe=probe)  # a reading is due after every batch
+    pendings = h.submit(["a", "b b"])
     step = asyncio.create_task(h.batcher.step())
     try:
-        async with asyncio.timeout(TIMEOUT):
-            while not probe.model_thread_reads:
-                await asyncio.sleep(0.001)
-        await asyncio.sleep(0.05)  # time enough for an answer sent back before the reading
+        await wait_until(lambda: all(p.future.done() for p in pendings))
+        assert [p.future.result() for p in pendings] == ["out:a", "out:b b"]
+        assert probe.model_thread_calls == ["peak"] and not step.done()  # still measuring
+    finally:
+        probe.release.set()
+    assert await asyncio.wait_for(step, TIMEOUT) == 2
+    assert probe.model_thread_calls == ["peak", "read"]
+    assert h.batcher.num_loop_readings == 1  # the next batch is sized from the model thread's
+
+
+@pytest.mark.parametrize("case", ["work waits", "no reading due"])
+async def test_the_measurement_after_a_batch_goes_back_with_its_answers(harness_factory, case):
+    probe = SlowReadingProbe()
+    if case == "work waits":  # two batches: "b" waits while "a" runs
+        h = harness_factory(probe=probe, sizer=FixedSizer(max_items=1, max_tokens=100))
+        pendings = h.submit(["a", "b"])
+    else:  # the loop's reading before the batch is the latest for an hour
+        h = harness_factory(probe=probe, min_reading_interval_s=3600)
+        pendings = h.submit(["a"])
+    step = asyncio.create_task(h.batcher.step())
+    try:
+        await wait_until(lambda: probe.model_thread_calls)
+        await asyncio.sleep(0.05)  # time enough for an answer sent back before the peak
         assert not pendings[0].future.done()
     finally:
         probe.release.set()
     assert await asyncio.wait_for(step, TIMEOUT) == 1
     assert pendings[0].future.result() == "out:a"
+    assert probe.model_thread_calls == (["peak", "read"] if case == "work waits" else ["peak"])

@@ -13,6 +13,7 @@ from collections import Counter
 import httpx
 import pytest
 
+import server.settings
 from server import Settings, create_app
 from server.lean import LeanFront
 from server.middleware import RequestIds
@@ -48,7 +49,8 @@ async def wait_until(predicate):
             await asyncio.sleep(0.001)
 
 
-async def test_one_hand_off_each_way_per_batch_whatever_its_size(registry):
+async def test_one_hand_off_each_way_per_batch_whatever_its_size(registry, monkeypatch):
+    monkeypatch.setattr(server.settings, "MEMORY_READING_INTERVAL_S", 0.0)  # one after each
     gate = threading.Event()
     gate.set()
     model = ScriptedModel(gate=gate)
@@ -68,13 +70,14 @@ async def test_one_hand_off_each_way_per_batch_whatever_its_size(registry):
             await wait_until(lambda: len(app_runtime.queue) == 7)
             gate.set()
             answers = await asyncio.gather(first, *rest)
+            await wait_until(lambda: not app_runtime.model_thread.busy)  # the last measurement
         calls = app_runtime.model_thread.num_calls - calls_before
     assert [a.status_code for a in answers] == [200] * 8
     assert model.batch_sizes[batches_before:] == [1, 7]
     # Two batches: two calls to the model thread, and none per request back. The first batch
-    # ended with work waiting: its memory reading came back with its outputs, in one
-    # call_soon_threadsafe. The second ended with none: its outputs went back first, the
-    # reading after them.
+    # ended with work waiting: its memory measurement came back with its outputs, in one
+    # call_soon_threadsafe. The second ended with none, and a reading due: its outputs went
+    # back first, the measurement after them.
     assert calls == 2
     assert counts["threadsafe"] == 3
 
