@@ -7,31 +7,25 @@ same model, sized by that model's sizer against the memory read just before the 
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .clock import Clock
 from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
-from .measure import Forward, forward_from_baseline, measured_forward, peak_above
+from .measure import Forward
 from .metrics import BatchingMetrics, MemoryMetrics, ModelBatchingMetrics, ModelMemoryMetrics
 from .model_thread import ModelThread
 from .planner import BatchBudget, BatchPlan, plan_batch, refused_alone, split
 from .probes import MemoryProbe, MemoryReading
 from .queue import Pending, RequestQueue
+from .readings import MemoryWatch
 from .sizer import BatchOutcome, Sizer
 from .timing import BatchTimeModel
 
 log = logging.getLogger(__name__)
-
-_Measurement = tuple[int | None, MemoryReading | None]
-"""A batch's peak memory above its baseline, and a reading taken after it."""
-_Answer = tuple[list[Any], _Measurement | None]
-_Measure = Callable[[], _Measurement]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,12 +118,10 @@ class Batcher:
         self._model_thread = model_thread
         self._oom_errors = oom_errors
         self._fatal_errors = fatal_errors
-        self._probe = probe
-        self._memory_metrics = memory_metrics
-        self._reading: MemoryReading | None = None
-        self._reading_s = 0.0
-        self.num_loop_readings = 0
-        """Memory readings taken on the event loop (the rest come with a batch's results)."""
+        self.memory = MemoryWatch(
+            probe, clock=clock, metrics=memory_metrics, oom_errors=oom_errors,
+            max_age_s=config.max_reading_age_s, min_interval_s=config.min_reading_interval_s,
+        )  # fmt: skip
         self.healthy = True
         self._in_flight: Sequence[Pending] = ()
         self.num_batches = 0
@@ -161,7 +153,7 @@ class Batcher:
         lane = self._next_lane()
         if lane is None:
             return 0
-        reading = self._take_reading()
+        reading = self.memory.latest()
         budget = lane.budget = lane.sizer.budget(reading)
         lane.metrics.budget_items.set(budget.max_items)
         lane.metrics.budget_tokens.set(budget.max_tokens)
@@ -240,13 +232,20 @@ class Batcher:
             self._update_depth()
         return lane
 
+    @property
+    def num_loop_readings(self) -> int:
+        """Memory readings taken on the event loop (the rest come with a batch's results)."""
+        return self.memory.num_loop_readings
+
     async def run_calibration(self, items: Sequence[Any], model: str) -> BatchOutcome:
         """Run a synthetic batch (warm-up) through ``model``'s lane and measure it; OOM
         errors propagate."""
         lane = self.lanes[model]
         padded_len = max(item.cost for item in items)
         started = self.clock.now()
-        _, peak = await self._model_thread.call(self._calibration_forward, lane.forward, items)
+        _, peak = await self._model_thread.call(
+            self.memory.calibration_forward, lane.forward, items
+        )
         elapsed = self.clock.now() - started
         if lane.time_model is not None:
             lane.time_model.observe(len(items), padded_len, elapsed)
@@ -268,82 +267,6 @@ class Batcher:
         for pending in waiting:
             _fail(pending, error)
         self._update_depth()
-
-    def _take_reading(self) -> MemoryReading | None:
-        """The latest reading (most often the one that came back with the last batch) if it
-        is recent enough, else one read now, on the event loop."""
-        if self._probe is None:
-            return None
-        reading = self._reading
-        age_s = self.clock.now() - self._reading_s
-        if reading is not None and age_s <= self.config.max_reading_age_s:
-            return reading
-        self.num_loop_readings += 1
-        reading = self._probe.read()
-        self._reading, self._reading_s = reading, self.clock.now()
-        self._publish(reading)
-        return reading
-
-    def _publish(self, reading: MemoryReading) -> None:
-        metrics = self._memory_metrics
-        if metrics is not None:
-            for gauge, value in (
-                (metrics.free_bytes, reading.free_bytes),
-                (metrics.device_used, reading.device_used_bytes),
-                (metrics.device_total, reading.device_total_bytes),
-                (metrics.torch_allocated, reading.allocated_bytes),
-                (metrics.torch_reserved, reading.reserved_bytes),
-                (metrics.host_resident, reading.resident_bytes),
-                (metrics.host_resident_peak, reading.resident_peak_bytes),
-                (
-                    metrics.host_available,
-                    None if reading.device_total_bytes else reading.free_bytes,
-                ),
-            ):
-                if value is not None:
-                    gauge.set(value)
-            metrics.set_limit(reading.limit)
-            metrics.set_probe_states(reading)
-
-    def _calibration_forward(
-        self, forward: Forward, items: Sequence[Any]
-    ) -> tuple[list[Any], int | None]:
-        """Runs on the model thread: a calibration batch, memory settled first, and its
-        peak (``measured_forward``)."""
-        return measured_forward(
-            forward, items, probe=self._probe, oom_errors=self._oom_errors, settle=True
-        )
-
-    def _forward(self, forward: Forward, items: Sequence[Any]) -> tuple[_Answer, _Measure | None]:
-        """Runs on the model thread (``ModelThread.call_then``): the forward pass, then what
-        ``_measure`` reads after it. Where work waits, or no reading is due, the measurement
-        goes back with the outputs (without a reading it is one file read), so that the next
-        batch is planned from it at once. Where none waits and a reading is due, the outputs
-        go back first and the measurement follows: taken just after a forward pass, with the
-        caches cold, it cost a lone all-MiniLM-L6-v2 request about 0.4 ms on a 2-CPU host,
-        where a second hand-back after a short pass cost more than it saved."""
-        outputs, baseline = forward_from_baseline(
-            forward, items, probe=self._probe, oom_errors=self._oom_errors
-        )
-        # NOTE: the event loop set these before this batch, and leaves them until it returns.
-        due = self._reading is None or (
-            self.clock.now() - self._reading_s >= self.config.min_reading_interval_s
-        )
-        measure = functools.partial(self._measure, baseline, due)
-        # NOTE: the queue's length, read from the model thread: a stale one only changes
-        # which of the two goes back first.
-        if len(self.queue) or not due:
-            return (outputs, measure()), None
-        return (outputs, None), measure
-
-    def _measure(self, baseline: int | None, read: bool) -> _Measurement:
-        """Runs on the model thread, after a batch: its peak memory above ``baseline`` and,
-        with ``read`` (the latest reading is at least ``min_reading_interval_s`` old), a
-        memory reading for the next batch's budget: the probe's file reads and device
-        queries stay off the event loop."""
-        probe = self._probe
-        peak = peak_above(probe, baseline)
-        return peak, probe.read() if probe is not None and read else None
 
     async def _fill(self, lane: _LaneState, max_items: int, max_tokens: int) -> None:
         """Wait up to ``max_wait_s`` from the lane's oldest item's arrival for a full batch."""
@@ -398,10 +321,10 @@ class Batcher:
             pending.batch = (self.num_batches, len(live))
         try:
             (outputs, measured), later = await self._model_thread.call_then(
-                self._forward, lane.forward, [p.item for p in live]
+                self.memory.forward, lane.forward, [p.item for p in live], self.queue
             )
         except self._oom_errors as exc:
-            self._reading = None  # the next plan reads what the failed batch left
+            self.memory.forget()  # the next plan reads what the failed batch left
             lane.sizer.on_oom(len(live), padded_len)
             if len(live) == 1 or not self.config.oom_split:
                 self._count_oom(lane, "failed")
@@ -421,7 +344,7 @@ class Batcher:
             await self._run(lane, second)
             return
         except Exception as exc:
-            self._reading = None
+            self.memory.forget()
             lane.metrics.batch_failures.inc()
             if isinstance(exc, self._fatal_errors):
                 # NOTE: a device error leaves the device (and any batch after this one) in a
@@ -457,23 +380,12 @@ class Batcher:
         # plan needs them) and the next batch is on the model thread: the answers are encoded
         # while the model runs it, not with the model idle. Where none waited, the requests
         # resume here, while the model thread measures.
-        peak, reading = measured if measured is not None else await self._measurement(later)
-        if reading is not None:
-            self._reading, self._reading_s = reading, started + elapsed
-        if reading is not None:
-            self._publish(reading)
+        peak, reading = measured if measured is not None else await self.memory.measurement(later)
+        self.memory.keep(reading, started + elapsed)
         lane.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
         if lane.time_model is not None:
             lane.time_model.observe(len(live), padded_len, elapsed)
         self._record_peak(lane, predicted, peak)
-
-    async def _measurement(self, later: asyncio.Future[_Measurement | None]) -> _Measurement:
-        """The measurement that follows a batch's outputs; none where it failed."""
-        try:
-            return await later or (None, None)
-        except Exception:
-            log.exception("reading memory after a batch failed")
-            return None, None
 
     def _record_prediction(self, lane: _LaneState, num_items: int, padded_len: int) -> float | None:
         budget = lane.budget
