@@ -142,9 +142,8 @@ class ModelThread:
             del job, fn, args, result, then, error  # no reference outlives the call
 
     def _run_then(
-        self, loop: asyncio.AbstractEventLoop, rest: asyncio.Future[Any] | None,
-        then: Callable[[], Any],
-    ) -> None:  # fmt: skip
+        self, loop: asyncio.AbstractEventLoop, rest: asyncio.Future[Any], then: Callable[[], Any]
+    ) -> None:
         """The second part of a call in two parts, once its answer is on its way back."""
         result: Any = None
         error: BaseException | None = None
@@ -152,8 +151,7 @@ class ModelThread:
             result = then()
         except BaseException as exc:
             error = exc
-        if rest is not None:
-            self._hand_back(loop, _settle, rest, result, error)
+        self._hand_back(loop, _settle, rest, result, error)
         self._done()  # after: once not busy, the thread has handed back all it will
 
     @staticmethod

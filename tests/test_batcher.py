@@ -6,6 +6,7 @@ import pytest
 from batching import DeadlineExceeded, FixedSizer, InferenceFailed, OutOfMemory, ShuttingDown
 from models import DeviceError
 from tests.fakes import ScriptedModel, ScriptedProbe
+from tests.test_frontend import counting_threadsafe_calls
 
 TIMEOUT = 10  # guard against hangs only
 
@@ -246,16 +247,20 @@ async def test_the_next_batch_goes_to_the_model_before_the_last_ones_requests_re
 
 
 class SlowReadingProbe(ScriptedProbe):
-    """Its peak and its reads on the model thread wait for ``release``."""
+    """Its peak and its reads on the model thread wait for ``release``. Each notes how many
+    hand-backs to the loop (``counts``, from ``counting_threadsafe_calls``) came before it."""
 
-    def __init__(self):
+    def __init__(self, counts):
         super().__init__(free_bytes=2**40)
         self.release = threading.Event()
         self.model_thread_calls = []
+        self.handed_back_before = []
+        self._counts = counts
 
     def _wait(self, what):
         if threading.current_thread() is not threading.main_thread():
             self.model_thread_calls.append(what)
+            self.handed_back_before.append(self._counts["threadsafe"])
             assert self.release.wait(TIMEOUT)
 
     def start_batch(self):
@@ -279,37 +284,40 @@ async def wait_until(predicate):
 async def test_a_lone_batchs_answers_go_back_before_the_memory_measurement_after_it(
     harness_factory,
 ):
-    probe = SlowReadingProbe()
-    h = harness_factory(probe=probe)  # a reading is due after every batch
-    pendings = h.submit(["a", "b b"])
-    step = asyncio.create_task(h.batcher.step())
-    try:
-        await wait_until(lambda: all(p.future.done() for p in pendings))
-        assert [p.future.result() for p in pendings] == ["out:a", "out:b b"]
-        assert probe.model_thread_calls == ["peak"] and not step.done()  # still measuring
-    finally:
-        probe.release.set()
-    assert await asyncio.wait_for(step, TIMEOUT) == 2
+    with counting_threadsafe_calls(asyncio.get_running_loop()) as counts:
+        probe = SlowReadingProbe(counts)
+        h = harness_factory(probe=probe)  # a reading is due after every batch
+        pendings = h.submit(["a", "b b"])
+        step = asyncio.create_task(h.batcher.step())
+        try:
+            await wait_until(lambda: all(p.future.done() for p in pendings))
+            assert [p.future.result() for p in pendings] == ["out:a", "out:b b"]
+            assert probe.model_thread_calls == ["peak"] and not step.done()  # still measuring
+        finally:
+            probe.release.set()
+        assert await asyncio.wait_for(step, TIMEOUT) == 2
     assert probe.model_thread_calls == ["peak", "read"]
+    assert probe.handed_back_before == [1, 1]  # the answers went back first
     assert h.batcher.num_loop_readings == 1  # the next batch is sized from the model thread's
 
 
 @pytest.mark.parametrize("case", ["work waits", "no reading due"])
 async def test_the_measurement_after_a_batch_goes_back_with_its_answers(harness_factory, case):
-    probe = SlowReadingProbe()
-    if case == "work waits":  # two batches: "b" waits while "a" runs
-        h = harness_factory(probe=probe, sizer=FixedSizer(max_items=1, max_tokens=100))
-        pendings = h.submit(["a", "b"])
-    else:  # the loop's reading before the batch is the latest for an hour
-        h = harness_factory(probe=probe, min_reading_interval_s=3600)
-        pendings = h.submit(["a"])
-    step = asyncio.create_task(h.batcher.step())
-    try:
-        await wait_until(lambda: probe.model_thread_calls)
-        await asyncio.sleep(0.05)  # time enough for an answer sent back before the peak
-        assert not pendings[0].future.done()
-    finally:
-        probe.release.set()
-    assert await asyncio.wait_for(step, TIMEOUT) == 1
+    with counting_threadsafe_calls(asyncio.get_running_loop()) as counts:
+        probe = SlowReadingProbe(counts)
+        if case == "work waits":  # two batches: "b" waits while "a" runs
+            h = harness_factory(probe=probe, sizer=FixedSizer(max_items=1, max_tokens=100))
+            pendings = h.submit(["a", "b"])
+        else:  # the loop's reading before the batch is the latest for an hour
+            h = harness_factory(probe=probe, min_reading_interval_s=3600)
+            pendings = h.submit(["a"])
+        step = asyncio.create_task(h.batcher.step())
+        try:
+            await wait_until(lambda: probe.model_thread_calls)
+            assert not pendings[0].future.done()
+        finally:
+            probe.release.set()
+        assert await asyncio.wait_for(step, TIMEOUT) == 1
     assert pendings[0].future.result() == "out:a"
     assert probe.model_thread_calls == (["peak", "read"] if case == "work waits" else ["peak"])
+    assert probe.handed_back_before == [0] * len(probe.model_thread_calls)  # nothing before
