@@ -45,6 +45,11 @@ class BatcherConfig:
     min_reading_interval_s: float = 0.0
     """The model thread reads memory after a batch only if the latest reading is at least
     this old; a batch in between is sized from the latest. 0: after every batch."""
+    max_reading_share: float | None = None
+    """Also space the model thread's readings so that they take at most this share of its
+    time (each reading's own duration, averaged, over this share), but never further apart
+    than half of ``max_reading_age_s``: under steady load the loop never has to read. None:
+    ``min_reading_interval_s`` alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +126,7 @@ class Batcher:
         self.memory = MemoryWatch(
             probe, clock=clock, metrics=memory_metrics, oom_errors=oom_errors,
             max_age_s=config.max_reading_age_s, min_interval_s=config.min_reading_interval_s,
+            max_share=config.max_reading_share,
         )  # fmt: skip
         self.healthy = True
         self._in_flight: Sequence[Pending] = ()

@@ -2,8 +2,10 @@
 
 The model thread measures each batch's peak and, at most every ``min_interval_s``, reads
 memory for the next batch's budget, right after the forward pass: the probe's file reads and
-device queries stay off the event loop. The event loop reads anew only where the latest
-reading is older than ``max_age_s``. Every reading is published as gauges.
+device queries stay off the event loop. With ``max_share``, the interval also grows with what
+a reading costs, so that readings take at most that share of the model thread's time, up to
+half of ``max_age_s``. The event loop reads anew only where the latest reading is older than
+``max_age_s``. Every reading is published as gauges.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from .probes import MemoryProbe, MemoryReading
 
 log = logging.getLogger(__name__)
 
+_COST_WEIGHT = 0.2
+"""The newest reading's weight in ``MemoryWatch.reading_cost_s`` (a moving average)."""
+
 Measurement = tuple[int | None, MemoryReading | None]
 """A batch's peak memory above its baseline, and a reading taken after it (or None)."""
 Answer = tuple[list[Any], Measurement | None]
@@ -33,6 +38,7 @@ class MemoryWatch:
     def __init__(
         self, probe: MemoryProbe | None, *, clock: Clock, metrics: MemoryMetrics | None,
         oom_errors: tuple[type[BaseException], ...], max_age_s: float, min_interval_s: float,
+        max_share: float | None = None,
     ) -> None:  # fmt: skip
         self.probe = probe
         self._clock = clock
@@ -40,6 +46,9 @@ class MemoryWatch:
         self._oom_errors = oom_errors
         self._max_age_s = max_age_s
         self._min_interval_s = min_interval_s
+        self._max_share = max_share
+        self.reading_cost_s: float | None = None
+        """How long a reading takes, averaged over the recent ones (None: none taken yet)."""
         self._reading: MemoryReading | None = None
         self._reading_s = 0.0
         self.num_loop_readings = 0
@@ -54,8 +63,24 @@ class MemoryWatch:
         if reading is not None and self._clock.now() - self._reading_s <= self._max_age_s:
             return reading
         self.num_loop_readings += 1
-        reading = self.probe.read()
+        reading = self._read(self.probe)
         self.keep(reading, self._clock.now())
+        return reading
+
+    def interval_s(self) -> float:
+        """How old the latest reading must be before the model thread reads again."""
+        cost, share = self.reading_cost_s, self._max_share
+        if cost is None or not share:
+            return self._min_interval_s
+        return max(self._min_interval_s, min(cost / share, self._max_age_s / 2))
+
+    def _read(self, probe: MemoryProbe) -> MemoryReading:
+        """``probe.read()``, its duration folded into ``reading_cost_s``."""
+        started = self._clock.now()
+        reading = probe.read()
+        took = self._clock.now() - started
+        cost = self.reading_cost_s
+        self.reading_cost_s = took if cost is None else cost + _COST_WEIGHT * (took - cost)
         return reading
 
     def forget(self) -> None:
@@ -110,7 +135,7 @@ class MemoryWatch:
             forward, items, probe=self.probe, oom_errors=self._oom_errors
         )
         # NOTE: the event loop set these before this batch, and leaves them until it returns.
-        due = self._reading is None or self._clock.now() - self._reading_s >= self._min_interval_s
+        due = self._reading is None or self._clock.now() - self._reading_s >= self.interval_s()
         measure = functools.partial(self._measure, baseline, due)
         # NOTE: ``waiting`` (the queue) is the event loop's, its length read from the model
         # thread: a stale one only changes which of the two goes back first.
@@ -123,7 +148,7 @@ class MemoryWatch:
         with ``read``, a memory reading for the next batch's budget."""
         probe = self.probe
         peak = peak_above(probe, baseline)
-        return peak, probe.read() if probe is not None and read else None
+        return peak, self._read(probe) if probe is not None and read else None
 
     @staticmethod
     async def measurement(later: asyncio.Future[Measurement | None]) -> Measurement:

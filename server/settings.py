@@ -19,6 +19,10 @@ from .model_list import ModelEntry, model_specs, parse_models, split_list
 # thread about 0.1 ms on a CPU host (``python -m bench.layers``), as much as a short batch: on
 # batches shorter than this, fresh memory for each of them would cost a good part of it.
 MEMORY_READING_INTERVAL_S = 0.005
+# ... and, whatever that interval, at most this share of the model thread's time goes to them:
+# the interval grows with what a reading costs (measured on each), up to half the age at
+# which the event loop reads anew.
+MEMORY_READING_SHARE = 0.01
 
 
 class Settings(BaseSettings):
@@ -361,6 +365,7 @@ class Settings(BaseSettings):
             oom_split=self.oom_split,
             plan_by_time=self.plan_by_time,
             min_reading_interval_s=MEMORY_READING_INTERVAL_S,
+            max_reading_share=MEMORY_READING_SHARE,
         )
 
     def adaptive_config(self) -> AdaptiveConfig:

@@ -44,7 +44,8 @@ class BatcherHarness:
 
     def __init__(self, *, model, clock, registry, model_thread, sizer=None, queue_items=1024,
                  max_wait_s=0.005, probe=None, oom_split=True, plan_by_time=False, lanes=None,
-                 queue_items_per_model=None, min_reading_interval_s=0.0):  # fmt: skip
+                 queue_items_per_model=None, min_reading_interval_s=0.0,
+                 max_reading_share=None):  # fmt: skip
         self.model = model
         self.clock = clock
         self.registry = registry
@@ -64,6 +65,7 @@ class BatcherHarness:
                 oom_split=oom_split,
                 plan_by_time=plan_by_time,
                 min_reading_interval_s=min_reading_interval_s,
+                max_reading_share=max_reading_share,
             ),
             oom_errors=(ModelOutOfMemory,),
             fatal_errors=(DeviceError,),

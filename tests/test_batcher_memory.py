@@ -133,6 +133,41 @@ async def test_within_the_reading_interval_batches_are_sized_from_the_latest_rea
     assert h.batcher.num_loop_readings == 1
 
 
+class CostlyProbe(ScriptedProbe):
+    """A scripted probe whose every reading takes ``cost_s`` on ``clock``."""
+
+    def __init__(self, clock, cost_s, **kwargs):
+        super().__init__(**kwargs)
+        self.clock, self.cost_s, self.reads = clock, cost_s, 0
+
+    def read(self):
+        self.reads += 1
+        self.clock.advance(self.cost_s)
+        return super().read()
+
+
+@pytest.mark.parametrize(
+    ("cost_s", "share", "interval_s", "reads"),
+    [
+        (0.0002, None, 0.005, 20),  # the interval alone: after each batch, 10 ms apart
+        (0.0002, 0.01, 0.02, 10),  # 0.2 ms a reading, 1% of the time: 20 ms apart
+        (0.002, 0.01, 0.05, 5),  # 2 ms would be 200 ms apart: held to half the 0.1 s age
+    ],
+)
+async def test_readings_take_at_most_their_share_of_the_model_threads_time(
+    harness_factory, clock, cost_s, share, interval_s, reads
+):
+    probe = CostlyProbe(clock, cost_s, free_bytes=2**40)
+    h = harness_factory(probe=probe, min_reading_interval_s=0.005, max_reading_share=share)
+    for _ in range(20):
+        h.submit(["a"])
+        await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+        clock.advance(0.01 - cost_s)  # a batch every 10 ms where it read, a little more if not
+    assert h.batcher.memory.interval_s() == pytest.approx(interval_s)
+    assert probe.reads == reads
+    assert h.batcher.num_loop_readings == 1  # the first batch's: the model thread read the rest
+
+
 async def test_after_a_failed_batch_the_next_is_sized_from_a_new_reading(harness_factory):
     probe = ScriptedProbe(free_bytes=2**40)
     h = harness_factory(model=ScriptedModel(oom_above_items=2), probe=probe, oom_split=False,

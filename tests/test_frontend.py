@@ -51,6 +51,7 @@ async def wait_until(predicate):
 
 async def test_one_hand_off_each_way_per_batch_whatever_its_size(registry, monkeypatch):
     monkeypatch.setattr(server.settings, "MEMORY_READING_INTERVAL_S", 0.0)  # one after each
+    monkeypatch.setattr(server.settings, "MEMORY_READING_SHARE", None)  # however long it takes
     gate = threading.Event()
     gate.set()
     model = ScriptedModel(gate=gate)
