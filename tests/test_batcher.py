@@ -292,7 +292,9 @@ async def test_a_lone_batchs_answers_go_back_before_the_memory_measurement_after
         try:
             await wait_until(lambda: all(p.future.done() for p in pendings))
             assert [p.future.result() for p in pendings] == ["out:a", "out:b b"]
-            assert probe.model_thread_calls == ["peak"] and not step.done()  # still measuring
+            # The measurement starts once the answers are on their way back: wait for it.
+            await wait_until(lambda: probe.model_thread_calls == ["peak"])
+            assert not step.done()  # still measuring
         finally:
             probe.release.set()
         assert await asyncio.wait_for(step, TIMEOUT) == 2
