@@ -39,14 +39,16 @@ def forward_from_baseline(
     probe: MemoryProbe | None,
     oom_errors: tuple[type[BaseException], ...] = (),
     settle: bool = False,
+    measure: bool = True,
 ) -> tuple[list[Any], int | None]:
     """``measured_forward``'s first half: the forward pass and the memory in use before it
-    (the baseline, None without a probe). ``peak_above`` is the second, which may come
-    later: the probe's peak only grows until the next ``start_batch``."""
+    (the baseline, None without a probe or ``measure``). ``peak_above`` is the second, which
+    may come later: the probe's peak only grows until the next ``start_batch``. Unmeasured,
+    the probe still releases its cache after an OOM error."""
     settle_memory = getattr(probe, "settle", None) if settle else None
     if settle_memory is not None:
         settle_memory()
-    baseline = probe.start_batch() if probe is not None else None
+    baseline = probe.start_batch() if probe is not None and measure else None
     try:
         return forward(items), baseline
     except oom_errors:

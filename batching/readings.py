@@ -6,6 +6,13 @@ device queries stay off the event loop. With ``max_share``, the interval also gr
 a reading costs, so that readings take at most that share of the model thread's time, up to
 half of ``max_age_s``. The event loop reads anew only where the latest reading is older than
 ``max_age_s``. Every reading is published as gauges.
+
+With ``max_share``, the per-batch measurement (the baseline before a batch, its peak after)
+is skipped where it would cost more than that share of the model's forward passes and a
+batch at least as large, in items and in padded length, was measured within half of
+``max_age_s`` (``_ShapeWatch``): on a host probe it reads ``/proc`` twice and writes once,
+about 40 us in a tight loop and twice that in a serving process, against a forward pass of
+milliseconds for a real model on a CPU, but more than a model that does no work takes.
 """
 
 from __future__ import annotations
@@ -32,6 +39,28 @@ Answer = tuple[list[Any], Measurement | None]
 """A batch's outputs, with its measurement where it came back with them."""
 
 
+class _ShapeWatch:
+    """One model's recent batches as the per-batch measurement sees them (model thread only):
+    its latest forward pass's duration, and the shapes measured lately."""
+
+    __slots__ = ("forward_s", "measured")
+
+    def __init__(self) -> None:
+        self.forward_s: float | None = None
+        self.measured: list[tuple[int, int, float]] = []
+        """(items, padded length, when) of the batches measured lately."""
+
+    def covered(self, num_items: int, padded_len: int, now: float, window_s: float) -> bool:
+        """Whether a batch at least this large was measured within ``window_s``."""
+        self.measured = [m for m in self.measured if now - m[2] <= window_s]
+        return any(n >= num_items and length >= padded_len for n, length, _ in self.measured)
+
+    def note(self, num_items: int, padded_len: int, now: float) -> None:
+        """A batch of this shape was measured at ``now``."""
+        self.measured = [m for m in self.measured if not (num_items >= m[0] and padded_len >= m[1])]
+        self.measured.append((num_items, padded_len, now))
+
+
 class MemoryWatch:
     """The latest memory reading and its age, as one batcher keeps them."""
 
@@ -53,6 +82,11 @@ class MemoryWatch:
         self._reading_s = 0.0
         self.num_loop_readings = 0
         """Memory readings taken on the event loop (the rest come with a batch's results)."""
+        self.measure_cost_s: float | None = None
+        """How long a batch's measurement (baseline and peak) takes, averaged lately."""
+        self.num_unmeasured = 0
+        """Batches run without a measurement (model thread; see ``_measures``)."""
+        self._shapes: dict[Forward, _ShapeWatch] = {}
 
     def latest(self) -> MemoryReading | None:
         """The latest reading (most often the one that came back with the last batch) if it
@@ -84,8 +118,10 @@ class MemoryWatch:
         return reading
 
     def forget(self) -> None:
-        """The next batch reads anew (what a failed batch left)."""
+        """The next batch reads anew (what a failed batch left), and every batch is
+        measured until its shape has been again."""
         self._reading = None
+        self._shapes = {}  # NOTE: the model thread's, replaced whole between two batches
 
     def keep(self, reading: MemoryReading | None, taken_s: float) -> None:
         """Make ``reading`` (taken at ``taken_s``) the latest and publish it; None: keep the
@@ -131,11 +167,24 @@ class MemoryWatch:
         just after a forward pass, with the caches cold, it cost a lone all-MiniLM-L6-v2
         request about 0.4 ms on a 2-CPU host, where a second hand-back after a short pass
         cost more than it saved."""
+        shapes = self._shapes.get(forward)
+        if shapes is None:
+            shapes = self._shapes[forward] = _ShapeWatch()
+        num_items, padded_len = len(items), max((item.cost for item in items), default=0)
+        clock = self._clock
+        started = clock.now()
         outputs, baseline = forward_from_baseline(
-            forward, items, probe=self.probe, oom_errors=self._oom_errors
-        )
+            forward, items, probe=self.probe, oom_errors=self._oom_errors,
+            measure=self._measures(shapes, num_items, padded_len, started),
+        )  # fmt: skip
+        ended = clock.now()
+        shapes.forward_s = ended - started  # the baseline's read included, where taken
+        if baseline is not None:
+            shapes.note(num_items, padded_len, started)
+        else:
+            self.num_unmeasured += 1
         # NOTE: the event loop set these before this batch, and leaves them until it returns.
-        due = self._reading is None or self._clock.now() - self._reading_s >= self.interval_s()
+        due = self._reading is None or ended - self._reading_s >= self.interval_s()
         measure = functools.partial(self._measure, baseline, due)
         # NOTE: ``waiting`` (the queue) is the event loop's, its length read from the model
         # thread: a stale one only changes which of the two goes back first.
@@ -143,11 +192,30 @@ class MemoryWatch:
             return (outputs, measure()), None
         return (outputs, None), measure
 
+    def _measures(self, shapes: _ShapeWatch, num_items: int, padded_len: int, now: float) -> bool:
+        """Runs on the model thread, before a batch: whether to measure it. Always, unless
+        ``max_share`` is set, the measurement costs more than that share of the model's
+        latest forward pass, and a batch at least as large was measured within half of
+        ``max_age_s`` (so a lone reading of a skipped shape is never older than that)."""
+        share, cost, forward_s = self._max_share, self.measure_cost_s, shapes.forward_s
+        if self.probe is None or not share or cost is None or forward_s is None:
+            return True
+        if cost <= share * forward_s:
+            return True
+        return not shapes.covered(num_items, padded_len, now, self._max_age_s / 2)
+
     def _measure(self, baseline: int | None, read: bool) -> Measurement:
         """Runs on the model thread, after a batch: its peak memory above ``baseline`` and,
         with ``read``, a memory reading for the next batch's budget."""
         probe = self.probe
+        peak_s = self._clock.now()
         peak = peak_above(probe, baseline)
+        if baseline is not None:
+            # NOTE: timed on its second half, one file read; the first (the baseline) reads
+            # the same file and resets the peak.
+            took = 2 * (self._clock.now() - peak_s)
+            cost = self.measure_cost_s
+            self.measure_cost_s = took if cost is None else cost + _COST_WEIGHT * (took - cost)
         return peak, self._read(probe) if probe is not None and read else None
 
     @staticmethod

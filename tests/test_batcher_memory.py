@@ -253,3 +253,85 @@ async def test_while_the_probe_fails_the_budget_keeps_its_last_reading_and_the_c
     # Past the age at which the reading taken after the last batch still sizes the next one.
     clock.advance(h.batcher.config.max_reading_age_s + 0.1)
     assert await sizes(7) == [6, 1]  # plenty free: the proven ceiling binds
+
+
+class PeakProbe(ScriptedProbe):
+    """A scripted probe that measures batch peaks, each half taking ``cost_s`` on ``clock``."""
+
+    def __init__(self, clock, cost_s, **kwargs):
+        super().__init__(**kwargs)
+        self.clock, self.cost_s, self.measured = clock, cost_s, 0
+
+    def start_batch(self):
+        self.measured += 1
+        self.clock.advance(self.cost_s)
+        return 100
+
+    def batch_peak(self):
+        self.clock.advance(self.cost_s)
+        return 150
+
+
+@pytest.mark.parametrize(
+    ("forward_s", "measured"),
+    [
+        # 0.1 ms a half: 0.2 ms against a 1 ms pass is 20%, above the 1% share. The first
+        # batch of each shape is measured, then none it covers for half the reading age
+        # (50 ms): a longer batch; a larger one; 60 ms on, the first shape again.
+        (0.001, [True, False, False, True, True, False, True]),
+        # 0.2 ms against a 50 ms pass is 0.4%: every batch is measured.
+        (0.05, [True] * 7),
+    ],
+)
+async def test_a_batch_is_measured_unless_that_costs_more_than_its_share_and_its_shape_was(
+    harness_factory, clock, forward_s, measured
+):
+    probe = PeakProbe(clock, 0.0001, free_bytes=2**40)
+    model = ScriptedModel(clock=clock, seconds=lambda n, length: forward_s)
+    h = harness_factory(model=model, probe=probe, max_reading_share=0.01)
+    seen = []
+    for texts, advance_s in [
+        (["a"], 0.0), (["a"], 0.0), (["b"], 0.0),  # one word each: the same shape
+        (["a b c"], 0.0),  # longer
+        (["a", "b"], 0.0),  # two items
+        (["c"], 0.0),  # covered by both
+        (["a"], 0.06),  # the measured shapes have aged out
+    ]:  # fmt: skip
+        clock.advance(advance_s)
+        before = probe.measured
+        h.submit(texts)
+        await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+        seen.append(probe.measured > before)
+    assert seen == measured
+    assert h.batcher.memory.num_unmeasured == measured.count(False)
+    assert h.batcher.memory.measure_cost_s == pytest.approx(0.0002)
+
+
+async def test_after_a_failed_batch_every_shape_is_measured_again(harness_factory, clock):
+    probe = PeakProbe(clock, 0.0001, free_bytes=2**40)
+    model = ScriptedModel(clock=clock, seconds=lambda n, length: 0.001, oom_above_items=2)
+    h = harness_factory(model=model, probe=probe, max_reading_share=0.01, oom_split=False)
+    seen = []
+    for texts in (["a"], ["b"], ["a", "b", "c"], ["c"]):  # the third runs out of memory
+        before = probe.measured
+        h.submit(texts)
+        await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+        seen.append(probe.measured > before)
+    assert seen == [True, False, True, True]
+
+
+async def test_a_batch_run_unmeasured_still_releases_the_cache_when_it_runs_out_of_memory(
+    harness_factory, clock
+):
+    probe = PeakProbe(clock, 0.0001, free_bytes=2**40)
+    model = ScriptedModel(clock=clock, seconds=lambda n, length: 0.001)
+    h = harness_factory(model=model, probe=probe, max_reading_share=0.01, oom_split=False)
+    for _ in range(2):
+        h.submit(["a"])
+        await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert (probe.measured, h.batcher.memory.num_unmeasured) == (1, 1)
+    model.oom_above_tokens = 1
+    (pending,) = h.submit(["a"])
+    await asyncio.wait_for(h.batcher.step(), TIMEOUT)
+    assert probe.measured == 1  # not measured
+    assert isinstance(pending.future.exception(), OutOfMemory) and probe.released == 1
