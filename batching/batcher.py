@@ -11,7 +11,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .clock import Clock
 from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
@@ -24,6 +24,9 @@ from .queue import Pending, RequestQueue
 from .readings import MemoryWatch
 from .sizer import BatchOutcome, Sizer
 from .timing import BatchTimeModel
+
+if TYPE_CHECKING:
+    from prometheus_client import Gauge
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,14 @@ class _LaneState:
         self.memory_metrics = memory_metrics
         self.time_model = BatchTimeModel() if plan_by_time else None
         self.budget: BatchBudget | None = None
+        self._shown: dict[Gauge, float] = {}
+
+    def show(self, gauge: Gauge, value: float) -> None:
+        """Set one of this lane's gauges, unless it shows ``value`` already: most batches
+        leave the budget as the last one left it, and each update costs the loop a lock."""
+        if self._shown.get(gauge) != value:
+            self._shown[gauge] = value
+            gauge.set(value)
 
 
 class Batcher:
@@ -132,6 +143,9 @@ class Batcher:
         self._in_flight: Sequence[Pending] = ()
         self.num_batches = 0
         metrics.queue_capacity.set(queue.max_items)
+        # Read when scraped: a gauge set on every admission and every batch cost each request
+        # several metric updates on the event loop.
+        metrics.queue_depth.set_function(queue.__len__)
         queue.on_drop = self._count_dropped
 
     async def run(self) -> None:
@@ -161,10 +175,10 @@ class Batcher:
             return 0
         reading = self.memory.latest()
         budget = lane.budget = lane.sizer.budget(reading)
-        lane.metrics.budget_items.set(budget.max_items)
-        lane.metrics.budget_tokens.set(budget.max_tokens)
+        lane.show(lane.metrics.budget_items, budget.max_items)
+        lane.show(lane.metrics.budget_tokens, budget.max_tokens)
         if lane.memory_metrics is not None and budget.max_bytes is not None:
-            lane.memory_metrics.budget_bytes.set(budget.max_bytes)
+            lane.show(lane.memory_metrics.budget_bytes, budget.max_bytes)
         self._record_ceiling(lane)
         await self._fill(lane, budget.max_items, budget.max_tokens)
 
@@ -172,7 +186,6 @@ class Batcher:
         waiting = self.queue.waiting(self.config.plan_window, now=now, model=lane.name)
         waiting = self._drop_expired(waiting)
         if not waiting:
-            self._update_depth()
             return 0
         priorities = [self.queue.effective_priority(p, now) for p in waiting]
         # The planner's anchor, the first waiting item, runs whatever the budget says:
@@ -191,7 +204,6 @@ class Batcher:
         )
         batch = [waiting[i] for i in plan.indices]
         self.queue.remove(batch)
-        self._update_depth()
         self._record_dispatch(lane, batch, plan)
         self._in_flight = batch  # NOTE: left set if cancelled, so run() can fail these items.
         await self._run(lane, batch)
@@ -205,7 +217,6 @@ class Batcher:
         """Fail one input that cannot fit alone under a limit that kills; the rest of the
         queue is planned from the next step on, as if it had never been there."""
         self.queue.remove([pending])
-        self._update_depth()
         room = budget.max_alone_bytes or 0.0
         where = reading.enforced.describe() if reading and reading.enforced else "a limit"
         log.warning(
@@ -235,7 +246,6 @@ class Batcher:
             self.queue.remove(stray)
             for pending in stray:
                 _fail(pending, InferenceFailed(f"no model named {head[0].model!r}"))
-            self._update_depth()
         return lane
 
     @property
@@ -265,14 +275,13 @@ class Batcher:
     def _record_ceiling(self, lane: _LaneState) -> None:
         ceiling = getattr(lane.sizer, "ceiling_bytes", None)
         if lane.memory_metrics is not None and ceiling is not None and math.isfinite(ceiling):
-            lane.memory_metrics.ceiling_bytes.set(ceiling)
+            lane.show(lane.memory_metrics.ceiling_bytes, ceiling)
 
     def fail_waiting(self, error: Exception) -> None:
         waiting = self.queue.waiting()
         self.queue.remove(waiting)
         for pending in waiting:
             _fail(pending, error)
-        self._update_depth()
 
     async def _fill(self, lane: _LaneState, max_items: int, max_tokens: int) -> None:
         """Wait up to ``max_wait_s`` from the lane's oldest item's arrival for a full batch."""
@@ -400,10 +409,10 @@ class Batcher:
         predicted = budget.predict_bytes(num_items, padded_len)
         metrics = lane.memory_metrics
         if metrics is not None:
-            metrics.predicted_peak.set(predicted)
+            lane.show(metrics.predicted_peak, predicted)
             free = getattr(lane.sizer, "last_free_bytes", None)
             if free is not None:
-                metrics.headroom_bytes.set(free - predicted)
+                lane.show(metrics.headroom_bytes, free - predicted)
         return predicted
 
     def _record_peak(self, lane: _LaneState, predicted: float | None, peak: int | None) -> None:
@@ -422,9 +431,6 @@ class Batcher:
     def _count_dropped(self, dropped: Sequence[Pending]) -> None:
         """Items whose request went away (disconnect, deadline) while they were queued."""
         self.metrics.cancelled.labels("queued").inc(len(dropped))
-
-    def _update_depth(self) -> None:
-        self.metrics.queue_depth.set(len(self.queue))
 
 
 def _fail(pending: Pending, error: Exception) -> None:

@@ -118,6 +118,13 @@ async def test_adaptive_budget_follows_free_memory(harness_factory, clock):
     await asyncio.wait_for(h.batcher.step(), TIMEOUT)
     assert model.batch_sizes == [9, 3, 9]
     assert h.batcher.num_loop_readings == 2
+    # Back to the first batch's budget: the gauges show it again.
+    assert sample(h, "batchfit_batch_budget_bytes", model="scripted") == pytest.approx(
+        0.9 * 10 * 2**20
+    )
+    assert sample(h, "batchfit_batch_predicted_peak_bytes", model="scripted") == pytest.approx(
+        9 * 2**20
+    )
 
 
 async def test_within_the_reading_interval_batches_are_sized_from_the_latest_reading(

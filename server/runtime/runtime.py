@@ -457,7 +457,6 @@ class Runtime:
                 self.inputs.release(admission)
                 raise
             self.work.track(admission.queued)
-            self.batching_metrics.queue_depth.set(len(self.queue))
         futures = admission.futures
         if admission.hits == len(futures):
             return [future.result() for future in futures], trace.tokens
@@ -480,7 +479,6 @@ class Runtime:
             left = self.queue.discard(self.inputs.release(admission))
             if disconnected:
                 self.batching_metrics.cancelled.labels("queued").inc(left)
-            self.batching_metrics.queue_depth.set(len(self.queue))
         return [future.result() for future in futures], trace.tokens
 
 
