@@ -2,9 +2,9 @@
 
 Under a cgroup limit there is no allocation error to catch: the kernel kills the process. Each
 test makes a child of this process's memory cgroup, starts the replica inside it and removes
-it afterwards. The burst (``bench.cgroup_limit``'s, two thirds of it) is 32 requests of 8
-inputs, 7 at the 256-token maximum and 1 short, with the item caps lifted, so memory alone
-decides batch sizes: the 224 long inputs need four times the room they get.
+it afterwards. A burst (``bench.cgroup_limit``'s) is requests of 8 inputs, 7 at the 256-token
+maximum and 1 short, with the item caps lifted, so memory alone decides batch sizes: 16
+requests to one model put 112 long inputs in its queue at once, twice what the room holds.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 
 MiB = 2**20
 LOADED_USAGE: list[int] = []  # a loaded, warmed-up replica's cgroup usage, once measured
-BURST_REQUESTS = 32
+BURST_REQUESTS = 16  # per model
 
 
 def check_answers(requests, responses) -> None:
@@ -54,9 +54,10 @@ def serve_burst_under(
     label: str,
     models: tuple[str | None, ...] = (None,),
 ) -> None:
-    """Send the burst (request i to ``models[i % len(models)]``); the replica must live through
-    it, answer right and stay under ``limit``."""
-    requests = burst_requests(count=BURST_REQUESTS)
+    """Send the burst, ``BURST_REQUESTS`` to each model (request i to
+    ``models[i % len(models)]``); the replica must live through it, answer right and stay
+    under ``limit``."""
+    requests = burst_requests(count=BURST_REQUESTS * len(models))
     started = time.perf_counter()
     responses = send_burst(server.url, requests, models)
     elapsed = time.perf_counter() - started
@@ -74,7 +75,7 @@ def serve_burst_under(
     assert scrape_value(scrape, "batchfit_oom_events_total", 'outcome="split"') == 0
     assert scrape_value(scrape, "batchfit_oom_events_total", 'outcome="failed"') == 0
     assert scrape_value(scrape, "batchfit_memory_limit_bytes", 'source="cgroup"') == limit
-    # Memory decided: 224 long inputs waited at once, yet no batch held more than 64 items.
+    # Memory decided: each model had 128 inputs waiting at once, yet no batch held more than 64.
     count = scrape_value(scrape, "batchfit_batch_size_count")
     sizes = histogram(scrape, "batchfit_batch_size")  # served batches only, not warm-up
     print(f"{count:.0f} batches, cumulative by size {sizes}")
@@ -106,19 +107,10 @@ def loaded_usage(tmp_path) -> int:
     return LOADED_USAGE[0]
 
 
-def test_a_replica_started_under_a_tight_limit_warms_up_within_it(tmp_path):
-    limit = loaded_usage(tmp_path) + 300 * MiB
-    with child_cgroup("tight") as cgroup:
-        cgroup.set_limit(limit)
-        with run_server(tmp_path, *CAPS, preexec=cgroup.join) as server:
-            assert f"memory limit: {limit / MiB:.0f} MiB (cgroup {cgroup.path})" in server.log()
-            cgroup.reset_peak()
-            serve_burst_under(cgroup, server, limit, "limit set before start-up")
-
-
-def test_two_models_in_one_replica_share_the_limit_and_nothing_is_killed(tmp_path):
-    """Both models' weights count against one cgroup limit; each batch is sized against what
-    is free then, whichever model it runs."""
+def test_two_models_started_under_a_tight_limit_warm_up_within_it_and_share_it(tmp_path):
+    """Both models' weights count against one cgroup limit, tight from the start: both warm
+    up within it, and under a tighter one set while they run each batch is sized against
+    what is free then, whichever model it runs."""
     models = (f"a={BUNDLED_MODEL}", f"b={BUNDLED_MODEL}")
     # Tight from the start, the second model's weights (87 MiB) included: both warm up
     # within it (and quicker than under a loose limit, where each warm-up took 21 s).
@@ -127,6 +119,10 @@ def test_two_models_in_one_replica_share_the_limit_and_nothing_is_killed(tmp_pat
         cgroup.set_limit(start_limit)
         flags = [flag for model in models for flag in ("--model", model)]
         with run_server(tmp_path, *flags, *CAPS, preexec=cgroup.join) as server:
+            assert f"memory limit: {start_limit / MiB:.0f} MiB (cgroup {cgroup.path})" in (
+                server.log()
+            )
+            assert all(f"warming up model {name}" in server.log() for name in ("a", "b"))
             limit = cgroup.usage() + 250 * MiB
             cgroup.set_limit(limit)
             cgroup.reset_peak()
@@ -134,7 +130,7 @@ def test_two_models_in_one_replica_share_the_limit_and_nothing_is_killed(tmp_pat
             scrape = httpx.get(f"{server.url}/metrics").text
             for name in ("a", "b"):  # the burst reached both
                 assert scrape_value(scrape, "batchfit_inputs_total", f'model="{name}"') == (
-                    8 * BURST_REQUESTS // 2
+                    8 * BURST_REQUESTS
                 )
 
 
