@@ -235,9 +235,12 @@ def _grow_back(url: str, texts: list[str], plan: StormPlan, target: float | None
     if plan.sizer == "fixed" or not target:
         return {"ok": True, "batches": 0, "note": "no memory budget (fixed sizer)"}
     long = sorted(texts, key=len)[-plan.inputs_per_request :]
+    # On the CPU the figure does not gate the check (see storm_checks): a few batches prove
+    # the path; 45 cost the dry run 20 s.
+    attempts = GROW_BACK_BATCHES + 5 if plan.device.startswith("cuda") else 3
     budgets = []
     with httpx.Client(base_url=url, timeout=300) as client:
-        for _ in range(GROW_BACK_BATCHES + 5):
+        for _ in range(attempts):
             values = scrape(url)
             budgets.append(values.get("batchfit_batch_budget_bytes", 0.0))
             if budgets[-1] >= GROW_BACK_SHARE * target:
