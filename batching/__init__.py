@@ -3,6 +3,7 @@
 Never imports a concrete model: the batcher drives anything with a ``forward`` callable.
 """
 
+from .affinity import at_home
 from .batcher import Batcher, BatcherConfig, Lane
 from .clock import Clock, MonotonicClock
 from .composite import CompositeProbe, probes_for_device
@@ -115,6 +116,7 @@ __all__ = [
     "WarmUp",
     "WarmUpPlanner",
     "WarmUpReport",
+    "at_home",
     "calibration_lengths",
     "cheapest_partition",
     "cheapest_window",

@@ -5,7 +5,9 @@ A call crosses threads once each way: the job goes in through a ``SimpleQueue`` 
 outcome comes back to the event loop in one ``call_soon_threadsafe``, which settles the
 awaiting future. (``loop.run_in_executor`` pays for a ``concurrent.futures.Future``, its
 condition variable, and a chain of callbacks between the two futures on every call.) A call
-in two parts (``call_then``) hands its answer back first and the rest of its work after it.
+in two parts (``call_then``, the batcher's forward passes) hands its answer back first and
+the rest of its work after it. With ``colocate``, the thread and its caller share one CPU
+while forward passes are light (``affinity``).
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from .affinity import Colocation, leave_inherited
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -33,8 +38,10 @@ class ModelThread:
     """Runs calls one at a time, in order, on one thread (started by the first call). The
     model's thread, and the same hand-off for the tokenizer's."""
 
-    def __init__(self, name: str = "batchfit-model") -> None:
+    def __init__(self, name: str = "batchfit-model", *, colocate: bool = False) -> None:
         self._name = f"{name}_0"
+        self.colocation = Colocation() if colocate else None
+        """With ``colocate``: where the thread runs; its calls in two parts are timed."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -76,6 +83,11 @@ class ModelThread:
                 self._thread.start()
             self.num_calls += 1
             self._unfinished += 1
+            if self.colocation is not None:
+                if job[4] is None:
+                    self.colocation.before_other()
+                else:
+                    self.colocation.before_forward()
             self._jobs.put(job)
 
     @property
@@ -105,10 +117,16 @@ class ModelThread:
                     with contextlib.suppress(RuntimeError):  # its loop is already closed
                         loop.call_soon_threadsafe(_cancel, future, rest)
             self._jobs.put(None)
+            if self.colocation is not None:
+                self.colocation.release()
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
 
     def _work(self) -> None:
+        leave_inherited()
+        colocation = self.colocation
+        if colocation is not None:
+            colocation.started()
         while True:
             job = self._jobs.get()
             if job is None:
@@ -124,6 +142,8 @@ class ModelThread:
             result: Any = None
             then: Callable[[], Any] | None = None
             error: BaseException | None = None
+            timed = colocation is not None and rest is not None
+            started = time.thread_time() if timed else 0.0
             try:
                 result = fn(*args)
                 if rest is not None:
@@ -139,6 +159,8 @@ class ModelThread:
                     self._hand_back(loop, _settle, future, result, error)
                 else:
                     self._hand_back(loop, _settle_both, future, result, error, rest)
+            if timed:  # after the hand-back: the answer does not wait for the clock
+                colocation.note(time.thread_time() - started)  # type: ignore[union-attr]
             del job, fn, args, result, then, error  # no reference outlives the call
 
     def _run_then(

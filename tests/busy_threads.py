@@ -34,3 +34,20 @@ def busy_threads(pid: int, work: Callable[[], object], share: float = 0.5) -> tu
     used = [seconds - before.get(tid, 0.0) for tid, seconds in after.items()]
     busiest = max(used, default=0.0)
     return sum(1 for seconds in used if seconds >= share * busiest), busiest
+
+
+def thread_cpus(pid: int) -> dict[int, frozenset[int]]:
+    """The CPUs each of the process's threads may run on (``Cpus_allowed_list``)."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        line = next(line for line in status.splitlines() if line.startswith("Cpus_allowed_list:"))
+        cpus: set[int] = set()
+        for part in line.split(":", 1)[1].strip().split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+        found[int(task.name)] = frozenset(cpus)
+    return found

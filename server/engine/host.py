@@ -22,6 +22,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
+from batching import at_home
+
 from ..disconnect import ConnectionWatch
 from ..errors import to_api_error
 from ..heap import freeze_startup_heap
@@ -139,7 +141,7 @@ class EngineHost:
         tells it the engine is gone; its end of a socket pair is its link to us."""
         fd = self._listener.fileno()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        with theirs:
+        with theirs, at_home():  # not the CPU the event loop may be held to
             process = subprocess.Popen(
                 [sys.executable, "-m", "server.engine.worker"],
                 stdin=subprocess.PIPE,

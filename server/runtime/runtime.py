@@ -102,7 +102,7 @@ class Runtime:
         self.draining = False
         self._aborted = False
         self.batcher_error: BaseException | None = None
-        self.model_thread = ModelThread()
+        self.model_thread = ModelThread(colocate=True)
         # Tokenizes large requests off the event loop; one thread, started before any
         # memory limit applies (a capped address space may have no room for a new stack).
         self.tokenizer_thread = ModelThread("batchfit-tokenize")

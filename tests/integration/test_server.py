@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 
 import httpx
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from models.loading import BUNDLED_MODEL, resolve_model_path
+from tests.busy_threads import thread_cpus
 from tests.rawhttp import (
     CountingReader,
     data_segments_received,
@@ -143,6 +145,17 @@ def test_concurrent_requests_are_batched_and_answered_in_order(server, reference
         before, "batchfit_batch_size_bucket", f'le="1.0",{MODEL}'
     )
     assert singles < batches  # some batches held more than one item
+
+
+def test_a_model_computing_on_the_cpu_moves_no_thread(server):
+    """Its forward passes are heavy: the model thread stays off the event loop's CPU
+    (``batching/affinity.py``; the light no-op model's case: ``test_colocation``)."""
+    for i in range(20):
+        httpx.post(f"{server.url}/v1/infer", json={"inputs": [f"one {i}"]}).raise_for_status()
+    home = frozenset(os.sched_getaffinity(0))  # the replica inherits this test's
+    held = {tid: cpus for tid, cpus in thread_cpus(server.process.pid).items() if cpus != home}
+    assert held == {}
+    assert "the model thread shares CPU" not in server.log()
 
 
 @pytest.mark.parametrize(
