@@ -4,8 +4,9 @@
   model's tokenizer, and an orjson answer of 4 floats per input: no queue, no model. What any
   server built on this stack pays per request at least.
 - ``bare_hop_app`` and ``bare_hop_probe_app``: the bare stack handing each answer to a model
-  thread and back, and doing so reading the host's memory around each call (what the
-  replica's path adds, layer by layer: ``python -m bench.layers``).
+  thread and back as the server's batcher hands a batch (its hand-off, on the event loop's
+  CPU while calls are light), and doing so reading the host's memory around each call (what
+  the replica's path adds, layer by layer: ``python -m bench.layers``).
 - ``no_batching_app``: the bundled model behind a FastAPI endpoint, each request's inputs run
   as one forward pass on one model thread, in arrival order: no batching across requests.
 
@@ -53,10 +54,13 @@ def bare_hop_app() -> FastAPI:
     request, as the server's batcher makes one per batch."""
     from batching import ModelThread
 
-    thread = ModelThread("batchfit-bench-hop")
+    thread = ModelThread("batchfit-bench-hop", colocate=True)
+
+    def answered(outputs: list[list[float]]) -> tuple[list[list[float]], None]:
+        return list(outputs), None
 
     async def answer(outputs: list[list[float]]) -> list[list[float]]:
-        return await thread.call(list, outputs)
+        return (await thread.call_then(answered, outputs))[0]
 
     return _bare(answer)
 
@@ -67,16 +71,16 @@ def bare_hop_probe_app() -> FastAPI:
     (which the server takes at most every few milliseconds)."""
     from batching import ModelThread, measured_forward, probes_for_device
 
-    thread = ModelThread("batchfit-bench-hop")
+    thread = ModelThread("batchfit-bench-hop", colocate=True)
     probe = probes_for_device("cpu")
 
-    def measured(outputs: list[list[float]]) -> list[list[float]]:
+    def measured(outputs: list[list[float]]) -> tuple[list[list[float]], None]:
         answered, _ = measured_forward(list, outputs, probe=probe)
         probe.read()
-        return answered
+        return answered, None
 
     async def answer(outputs: list[list[float]]) -> list[list[float]]:
-        return await thread.call(measured, outputs)
+        return (await thread.call_then(measured, outputs))[0]
 
     return _bare(answer)
 
