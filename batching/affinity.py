@@ -157,10 +157,13 @@ class Colocation:
         self.cpu, self._caller, self._worker_home = None, None, True
 
     def _set(self, tid: int, cpus: set[int] | frozenset[int]) -> bool:
-        """Hold thread ``tid`` (0: this one) to ``cpus``; False, and no more moves, where
-        the system refuses (a thread gone, a CPU taken out of the process's set)."""
+        """Hold thread ``tid`` (0: this one) to ``cpus``. False where the thread has ended
+        (the model thread, closed meanwhile); False, and no more moves, where the system
+        refuses (a CPU taken out of the process's set)."""
         try:
             os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            return False
         except OSError as exc:
             if self.enabled:
                 log.warning("cannot set a thread's CPUs (%s); the model thread stays put", exc)

@@ -2,9 +2,11 @@
 
 ``python -m bench.hop`` sends a no-op through ``ModelThread.call`` from a uvloop event loop:
 back to back (the thread finds its next call waiting or is still awake), and after the loop
-slept ``--idle-us`` first (both threads asleep, as at one client). Then the same with a model
-thread that polls its queue for up to ``--spin-us`` before it sleeps: in Python the poll
-holds the GIL, so the event loop waiting for the answer cannot run until it ends.
+slept ``--idle-us`` first (both threads asleep, as at one client). Then the same as the
+server's batcher hands a light forward pass over (``call_then``, the model thread and the
+event loop held on one CPU: ``batching/affinity.py``), and with a model thread that polls
+its queue for up to ``--spin-us`` before it sleeps: in Python the poll holds the GIL, so the
+event loop waiting for the answer cannot run until it ends.
 """
 
 from __future__ import annotations
@@ -47,16 +49,30 @@ class PollingModelThread(ModelThread):
             loop.call_soon_threadsafe(_settle, future, fn(*args), None)
 
 
+def _forward() -> tuple[int, None]:
+    return 0, None
+
+
 async def round_trips(thread: ModelThread, *, calls: int, idle_s: float) -> list[float]:
     """Each call's round trip in seconds; with ``idle_s``, the loop sleeps that long
-    (blocking, so the model thread has nothing to do) before each call."""
-    await thread.call(int)
+    (blocking, so the model thread has nothing to do) before each call. A thread that
+    ``colocate``s gets forward passes (``call_then``), as the batcher sends them."""
+    forward = thread.colocation is not None
+
+    async def one() -> None:
+        if forward:
+            await thread.call_then(_forward)
+        else:
+            await thread.call(int)
+
+    for _ in range(20):  # a co-locating thread moves once it has seen a few
+        await one()
     times = []
     for _ in range(calls):
         if idle_s:
             time.sleep(idle_s)
         started = time.perf_counter()
-        await thread.call(int)
+        await one()
         times.append(time.perf_counter() - started)
     return times
 
@@ -64,7 +80,11 @@ async def round_trips(thread: ModelThread, *, calls: int, idle_s: float) -> list
 async def measure(calls: int, idle_s: float, spin_s: float) -> list[str]:
     lines = []
     threads = [
-        ("blocking (the server's)", ModelThread("batchfit-bench-hop")),
+        ("blocking, on any CPU", ModelThread("batchfit-bench-hop")),
+        (
+            "blocking, on the event loop's CPU (the server's)",
+            ModelThread("batchfit-bench-hop", colocate=True),
+        ),
         (f"polling {spin_s * 1e6:.0f} us", PollingModelThread(spin_s)),
     ]
     for name, thread in threads:
