@@ -4,6 +4,7 @@ asked where they run (``sched_getcpu``)."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import subprocess
@@ -73,7 +74,7 @@ async def test_heavy_forward_passes_send_both_threads_back_to_every_cpu():
         await forwards(thread, light, 20)
         assert thread.colocation.cpu is not None
         for _ in range(10):  # the average passes LEAVE_S after a few
-            _, allowed = await forwards(thread, heavy, 1)
+            await forwards(thread, heavy, 1)
             if thread.colocation.cpu_s > LEAVE_S:
                 break
         _, allowed = await forwards(thread, heavy, 1)
@@ -139,8 +140,6 @@ async def test_without_colocate_nothing_moves():
 
 def test_close_from_another_thread_lets_the_held_thread_go():
     """The server closes the model thread from its tokenizer thread."""
-    import asyncio
-
     thread = ModelThread("test-colocate-close", colocate=True)
 
     async def run() -> int:
