@@ -4,12 +4,13 @@ Handing a call to the model thread and back wakes one thread from another twice.
 two threads sit on different CPUs, each wake-up reaches a CPU that went idle, which on a
 virtual machine costs a trip through the hypervisor: on a 2-CPU VM a round trip took 90-110
 us across CPUs against 25-30 us on one. Where the model thread needs little CPU per forward
-pass (a model on a GPU that mostly waits for the device, a very small model, the no-op
-model), that is most of what the hand-off costs, and the two threads run Python under one
-GIL anyway. So while the model thread's CPU time per forward pass stays light, both the
-event loop's thread and the model thread are held on the CPU the event loop is on: the
-hand-off becomes a switch between two threads on one CPU. Once forward passes grow heavy
-(a model computing on the CPU), both go back to every CPU the process had.
+pass (a very small model, the no-op model), that is most of what the hand-off costs, and the
+two threads run Python under one GIL anyway. (On a GPU, a thread that spins in a device
+synchronisation spends CPU time: an eager model's passes count as heavy there.) So while
+the model thread's CPU time per forward pass stays light, both the event loop's thread and
+the model thread are held on the CPU the event loop is on: the hand-off becomes a switch
+between two threads on one CPU. Once forward passes grow heavy (a model computing on the
+CPU), both go back to every CPU the process had.
 
 Only forward passes move: any other call (loading a model) runs on the process's own CPUs,
 so that what it reads of them (the thread count) and the threads it starts (OpenMP's) are
