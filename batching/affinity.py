@@ -143,7 +143,8 @@ class Colocation:
 
     def before_other(self) -> None:
         """On the caller, before any other call: the model thread runs it on ``home``."""
-        if self.cpu is not None and not self._worker_home and self.worker is not None:
+        if self.cpu is not None and not self._worker_home:
+            assert self.worker is not None  # held only once it runs
             self._worker_home = self._set(self.worker, self.home)
 
     def release(self) -> None:

@@ -4,22 +4,27 @@ computes with, counted by the kernel (``/proc/PID/task/TID/stat``), not by what 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
+def _task_files(pid: int, name: str) -> Iterator[tuple[int, str]]:
+    """Each of the process's threads' ``/proc/PID/task/TID/<name>``, with its id."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            yield int(task.name), (task / name).read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+
+
 def thread_cpu_s(pid: int) -> dict[int, float]:
     """CPU seconds (user + system) of each of the process's threads."""
     found = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
+    for tid, stat in _task_files(pid, "stat"):
         fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on
-        found[int(task.name)] = (int(fields[11]) + int(fields[12])) * TICK_S
+        found[tid] = (int(fields[11]) + int(fields[12])) * TICK_S
     return found
 
 
@@ -39,15 +44,18 @@ def busy_threads(pid: int, work: Callable[[], object], share: float = 0.5) -> tu
 def thread_cpus(pid: int) -> dict[int, frozenset[int]]:
     """The CPUs each of the process's threads may run on (``Cpus_allowed_list``)."""
     found = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
+    for tid, status in _task_files(pid, "status"):
         line = next(line for line in status.splitlines() if line.startswith("Cpus_allowed_list:"))
         cpus: set[int] = set()
         for part in line.split(":", 1)[1].strip().split(","):
             first, _, last = part.partition("-")
             cpus.update(range(int(first), int(last or first) + 1))
-        found[int(task.name)] = frozenset(cpus)
+        found[tid] = frozenset(cpus)
     return found
+
+
+def held_threads(pid: int) -> dict[int, frozenset[int]]:
+    """The threads of ``pid`` (a child of this process, which inherited its CPUs) held to
+    fewer CPUs than this process may use."""
+    home = frozenset(os.sched_getaffinity(0))
+    return {tid: cpus for tid, cpus in thread_cpus(pid).items() if cpus != home}

@@ -10,17 +10,11 @@ import httpx
 import pytest
 
 from bench.comparisons import NOOP_MODEL
-from tests.busy_threads import thread_cpus
+from tests.busy_threads import held_threads
 from tests.ci import unavailable
 from tests.servers import run_server
 
 pytestmark = pytest.mark.integration
-
-
-def held_threads(pid: int) -> dict[int, frozenset[int]]:
-    """The replica's threads held to fewer CPUs than the process may use."""
-    home = frozenset(os.sched_getaffinity(0))  # the replica inherits this test's
-    return {tid: cpus for tid, cpus in thread_cpus(pid).items() if cpus != home}
 
 
 def send(url: str, count: int) -> None:

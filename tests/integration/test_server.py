@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 
 import httpx
@@ -14,7 +13,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from models.loading import BUNDLED_MODEL, resolve_model_path
-from tests.busy_threads import thread_cpus
+from tests.busy_threads import held_threads
 from tests.rawhttp import (
     CountingReader,
     data_segments_received,
@@ -152,9 +151,7 @@ def test_a_model_computing_on_the_cpu_moves_no_thread(server):
     (``batching/affinity.py``; the light no-op model's case: ``test_colocation``)."""
     for i in range(20):
         httpx.post(f"{server.url}/v1/infer", json={"inputs": [f"one {i}"]}).raise_for_status()
-    home = frozenset(os.sched_getaffinity(0))  # the replica inherits this test's
-    held = {tid: cpus for tid, cpus in thread_cpus(server.process.pid).items() if cpus != home}
-    assert held == {}
+    assert held_threads(server.process.pid) == {}
     assert "the model thread shares CPU" not in server.log()
 
 
