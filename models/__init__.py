@@ -12,7 +12,14 @@ from .errors import (
     is_out_of_memory,
     translate_error,
 )
-from .loading import BUNDLED_MODEL, ModelSpec, available_cpus, load_model, resolve_device
+from .loading import (
+    BUNDLED_MODEL,
+    ModelSpec,
+    available_cpus,
+    load_model,
+    resolve_device,
+    set_cpu_threads,
+)
 from .postprocess import top_labels, truncate_dimensions
 from .profiling import BatchProfiler, ProfilerBusy, ProfileStatus
 from .prompts import UnknownPrompt, resolve_prompt
@@ -47,6 +54,7 @@ __all__ = [
     "quantize_int8",
     "resolve_device",
     "resolve_prompt",
+    "set_cpu_threads",
     "top_labels",
     "translate_error",
     "truncate_dimensions",

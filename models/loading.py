@@ -86,6 +86,12 @@ def cpu_threads(requested: int | None, environ: Mapping[str, str] = os.environ) 
     return omp_num_threads(environ) or available_cpus()
 
 
+def set_cpu_threads(num_threads: int) -> None:
+    """Run the calling thread's next CPU forward passes on ``num_threads`` intra-op threads
+    (OpenMP's thread count is per thread: call it on the model thread)."""
+    torch.set_num_threads(num_threads)
+
+
 def omp_num_threads(environ: Mapping[str, str] = os.environ) -> int | None:
     """``OMP_NUM_THREADS`` (its first level, as in ``4,2``); None where unset or not a
     positive count."""

@@ -58,6 +58,12 @@ class ServerMetrics:
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)
         self.ready = Gauge("batchfit_ready", "1 when the replica accepts work.", registry=registry)
+        self.model_threads = Gauge(
+            "batchfit_model_threads",
+            "Intra-op threads the forward passes run on (CPU): every thread chosen, or 1 while "
+            "other work holds the host's CPUs.",
+            registry=registry,
+        )
         self.draining = Gauge(
             "batchfit_draining", "1 while the replica drains before exit.", registry=registry
         )

@@ -144,7 +144,9 @@ class Settings(BaseSettings):
         ge=1,
         description="torch intra-op threads on CPU; default: OMP_NUM_THREADS where set (batchfit "
         "up sets it to share the cores among its replicas), else every CPU the process may "
-        "use, at most its cgroup's CPU quota rounded up.",
+        "use, at most its cgroup's CPU quota rounded up; that default drops to one thread "
+        "while other work holds the host's CPUs and one thread runs faster. A number set here "
+        "or in OMP_NUM_THREADS is kept as it is.",
     )
     max_body_bytes: int = Field(
         2 * 2**20, ge=1024, description="Largest request body accepted; beyond it 413."

@@ -86,6 +86,7 @@ def test_the_issue_metric_set_is_exported():
         "batchfit_memory_headroom_bytes": "gauge", "batchfit_oom_events": "counter",
         # state
         "batchfit_ready": "gauge", "batchfit_draining": "gauge", "batchfit_model": "info",
+        "batchfit_model_threads": "gauge",
     }  # fmt: skip
     missing = {name for name in required if name not in found}
     assert not missing

@@ -189,3 +189,28 @@ def test_the_server_bounds_openmp_spinning_before_torch_loads():
         capture_output=True, text=True, timeout=120, check=True, cwd=ROOT, env=env,
     )  # fmt: skip
     assert float(probe.stdout) < 2.0, f"idle OpenMP workers spun {probe.stdout.strip()} ms"
+
+
+@pytest.mark.parametrize("num_threads", [None, 2])
+async def test_the_runtime_guards_a_thread_count_it_chose_and_keeps_an_operators(
+    tmp_path, registry, monkeypatch, num_threads
+):
+    folder = save_tiny_model(tmp_path / "m")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "available_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "own_cpu_quota", lambda: None)
+    settings = Settings(model=(f"a={folder}",), device="cpu", num_threads=num_threads)
+    runtime = Runtime(settings, registry=registry)
+    await runtime.start()
+    try:
+        assert runtime.startup_error is None
+        assert registry.get_sample_value("batchfit_model_threads") == 2
+        forward = runtime.batcher.lanes["a"].forward
+        if num_threads is None:  # the count is the server's: every pass goes through a guard
+            assert runtime.thread_guard is not None and runtime.thread_guard.num_threads == 2
+            assert forward.__qualname__ == "ThreadGuard.wrap.<locals>.guarded_forward"
+        else:
+            assert runtime.thread_guard is None
+            assert "guarded" not in forward.__qualname__
+    finally:
+        await runtime.stop()

@@ -33,6 +33,7 @@ from models import (
     Item,
     Model,
     ModelOutOfMemory,
+    set_cpu_threads,
     truncate_dimensions,
 )
 
@@ -41,9 +42,10 @@ from ..errors import ApiError, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
+from .contention import ThreadGuard
 from .slot import ModelSlot, by_name, make_sizer, make_slots, prepare_call, tokenize_inline
 from .startup import bound_cache, limit_host_memory, load, log_memory_limit, place_tokenizing
-from .threads import thread_count
+from .threads import AFFINITY, QUOTA, thread_count
 from .trace import RequestTrace
 from .tracking import WorkTracker
 from .waiting import ClientDisconnected, ClientWatch, RequestWait
@@ -109,6 +111,8 @@ class Runtime:
         # Wraps the batcher's forward calls, so traces are recorded on the model thread.
         self.profiler = BatchProfiler(Path(settings.profile_dir))
         self.batcher: Batcher | None = None
+        self.thread_guard: ThreadGuard | None = None
+        """On a CPU with the thread count the server chose: one thread while the host is busy."""
         self.startup_error: BaseException | None = None
         self._on_fatal = on_fatal
         self._on_ready = on_ready
@@ -177,6 +181,12 @@ class Runtime:
         info = self._slots[0].info  # every model shares the device
         if info.device == "cpu":
             log.info("%s", threads.describe())
+            self.metrics.model_threads.set(threads.num_threads)
+            # NOTE: a count the operator chose (the flag, OMP_NUM_THREADS) is kept as it is.
+            if threads.source in (AFFINITY, QUOTA) and threads.num_threads > 1:
+                self.thread_guard = ThreadGuard(
+                    threads.num_threads, set_cpu_threads, gauge=self.metrics.model_threads
+                )
         if self.probe is None:
             self.probe = probes_for_device(
                 info.device, memory_limit_bytes=self.settings.memory_limit
@@ -199,7 +209,7 @@ class Runtime:
         )
         self.batcher = Batcher(
             queue=self.queue,
-            lanes=[slot.lane(self.profiler) for slot in self._slots],
+            lanes=[slot.lane(self.profiler, self.thread_guard) for slot in self._slots],
             model_thread=self.model_thread,
             clock=self.clock,
             metrics=self.batching_metrics,

@@ -30,6 +30,7 @@ from models import BatchProfiler, Model, ModelInfo, ModelOutOfMemory, ModelSpec
 
 from ..errors import ApiError
 from ..settings import Settings
+from .contention import ThreadGuard
 
 log = logging.getLogger("batchfit")
 
@@ -75,9 +76,10 @@ class ModelSlot:
         assert self.model is not None
         return self.model.info
 
-    def lane(self, profiler: BatchProfiler) -> Lane:
+    def lane(self, profiler: BatchProfiler, guard: ThreadGuard | None = None) -> Lane:
         assert self.model is not None and self.sizer is not None
-        return Lane(self.name, profiler.wrap(self.model.forward), self.sizer)
+        forward = profiler.wrap(self.model.forward)
+        return Lane(self.name, guard.wrap(forward) if guard else forward, self.sizer)
 
     def card(self) -> dict[str, object]:
         """How ``/v1/models`` describes this model."""

@@ -1,0 +1,184 @@
+"""Fewer intra-op threads while the host's CPUs are taken by something else, where that
+proves faster.
+
+With every CPU in torch's pool, each parallel step of a forward pass waits for all of its
+threads. While other work holds a CPU (a neighbour, the load generator, the event loop at
+its busiest), one of them is off a CPU at many steps and the rest wait for it: measured on
+2 vCPUs with one CPU held by a busy loop, a lone all-MiniLM-L6-v2 input took 43 ms on two
+threads against 29 ms on one, and the model thread waited for a CPU 37% of the time (0.2%
+on a quiet host); a batch of 32 inputs still ran 5% faster on two. So the model thread
+times its own wait for a CPU in every pass (``/proc/thread-self/schedstat``'s run delay);
+where the host is busy it runs a while on one thread, and keeps whichever ran more padded
+tokens a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client import Gauge
+
+    from batching import Forward
+
+log = logging.getLogger("batchfit")
+
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+class RunDelay:
+    """The calling thread's total wait for a CPU so far, in seconds (the second field of
+    its ``schedstat``), from a file opened once per thread."""
+
+    def __init__(self, path: str = SCHEDSTAT) -> None:
+        self._path = path
+        self._local = threading.local()
+
+    def __call__(self) -> float:
+        fd = getattr(self._local, "fd", None)
+        if fd is None:
+            # NOTE: /proc/thread-self resolves to the thread that opens it, so each thread
+            # reads its own through its own descriptor.
+            fd = self._local.fd = os.open(self._path, os.O_RDONLY)
+        return int(os.pread(fd, 128, 0).split()[1]) / 1e9
+
+
+class ThreadGuard:
+    """Chooses, before each forward pass on the model thread, between ``num_threads`` and
+    one thread (``set_threads`` applies it, on that thread).
+
+    While passes on every thread wait for a CPU ``busy_share`` of their wall time or more
+    (over ``window_s`` of passes), the next ``window_s`` of passes run on one thread. Where
+    one thread got through more padded tokens per second of pass than every thread did, the
+    passes stay on one thread for ``hold_s``, then try every thread again; where it did not
+    (a batch large enough to gain from every thread even on a busy host), they go back to
+    every thread and try one again no sooner than ``hold_s`` later. Passes shorter than
+    ``min_pass_s`` are not counted: they say little about torch's threads."""
+
+    def __init__(
+        self, num_threads: int, set_threads: Callable[[int], None], *,
+        run_delay: Callable[[], float] | None = None, clock: Callable[[], float] = time.monotonic,
+        window_s: float = 0.5, busy_share: float = 0.15, hold_s: float = 10.0,
+        min_pass_s: float = 0.001, gauge: Gauge | None = None,
+    ) -> None:  # fmt: skip
+        if num_threads < 2:
+            raise ValueError(f"a guard needs 2 threads or more to fall back from: {num_threads}")
+        self.num_threads = num_threads
+        self.threads = num_threads
+        """The intra-op threads the next pass runs on."""
+        self._set_threads = set_threads
+        self._run_delay = run_delay if run_delay is not None else RunDelay()
+        self._clock = clock
+        self._window_s = window_s
+        self._busy_share = busy_share
+        self._hold_s = hold_s
+        self._min_pass_s = min_pass_s
+        self._gauge = gauge
+        self._window = _Window()
+        self._busy = 0.0  # the share of the last busy window on every thread spent waiting
+        self._all_speed = 0.0  # and its padded tokens per second of pass
+        self._until: float | None = None  # the current choice holds until then
+        self._trying_one = False
+        self._disabled = False
+        self.num_fallbacks = 0
+        """How often one thread proved faster and the passes stayed on it."""
+        if gauge is not None:
+            gauge.set(num_threads)
+
+    def wrap(self, forward: Forward) -> Forward:
+        def guarded_forward(items: Sequence[Any]) -> list[Any]:
+            if self._disabled:
+                return forward(items)
+            self._before()
+            delay = self._read()
+            started = self._clock()
+            try:
+                return forward(items)
+            finally:
+                if not self._disabled:
+                    tokens = len(items) * max((getattr(i, "cost", 1) for i in items), default=0)
+                    self._after(self._clock() - started, self._read() - delay, tokens)
+
+        return guarded_forward
+
+    def _read(self) -> float:
+        try:
+            return self._run_delay()
+        except (OSError, ValueError, IndexError) as exc:
+            self._disabled = True
+            log.warning("cannot read this thread's wait for a CPU (%s); the model keeps "
+                        "%d threads whatever the host's load", exc, self.threads)  # fmt: skip
+            return 0.0
+
+    def _before(self) -> None:
+        if self._until is not None and self._clock() >= self._until:
+            self._until = None
+            self._window = _Window()
+            if self.threads == 1:
+                self._use(self.num_threads)
+
+    def _after(self, wall_s: float, delay_s: float, tokens: int) -> None:
+        if wall_s < self._min_pass_s:
+            return
+        window = self._window
+        window.add(wall_s, delay_s, tokens)
+        if window.wall_s < self._window_s:
+            return
+        self._window = _Window()
+        if self._trying_one:
+            self._trying_one = False
+            faster = window.speed > self._all_speed
+            if faster:
+                self.num_fallbacks += 1
+                (log.debug if self.num_fallbacks > 1 else log.info)(
+                    "other work holds the host's CPUs: forward passes on %d threads waited "
+                    "for one %.0f%% of the time, and one thread ran %.0f%% more tokens a "
+                    "second; one thread for %.0f s", self.num_threads, self._busy * 100,
+                    (window.speed / max(self._all_speed, 1e-9) - 1) * 100, self._hold_s,
+                )  # fmt: skip
+            else:
+                log.debug("one thread ran %.0f%% fewer tokens a second than %d; back to %d "
+                          "for %.0f s", (1 - window.speed / max(self._all_speed, 1e-9)) * 100,
+                          self.num_threads, self.num_threads, self._hold_s)  # fmt: skip
+                self._use(self.num_threads)
+            self._until = self._clock() + self._hold_s
+            return
+        if self._until is not None:
+            return  # every thread, proven faster lately
+        share = window.delay_s / window.wall_s
+        if share >= self._busy_share:
+            self._busy, self._all_speed = share, window.speed
+            log.debug("forward passes on %d threads waited for a CPU %.0f%% of the time; "
+                      "trying one thread", self.num_threads, share * 100)  # fmt: skip
+            self._trying_one = True
+            self._use(1)
+
+    def _use(self, threads: int) -> None:
+        self._set_threads(threads)
+        self.threads = threads
+        if self._gauge is not None:
+            self._gauge.set(threads)
+
+
+class _Window:
+    """Passes since a window began: their wall time, wait for a CPU and padded tokens."""
+
+    __slots__ = ("delay_s", "tokens", "wall_s")
+
+    def __init__(self) -> None:
+        self.wall_s = self.delay_s = 0.0
+        self.tokens = 0
+
+    def add(self, wall_s: float, delay_s: float, tokens: int) -> None:
+        self.wall_s += wall_s
+        self.delay_s += delay_s
+        self.tokens += tokens
+
+    @property
+    def speed(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
