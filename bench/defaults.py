@@ -5,21 +5,24 @@ round (an OpenMP spin count and a thread count), in turn, round after round, so 
 whose load drifts disturbs every setting alike; each replica gets one client and then 32
 clients of the mixed-length workload, from each load generator. It prints every run and,
 per setting, the median of the rounds: one-client p50, throughput at 32 clients, and the
-CPUs the server kept busy meanwhile.
+CPUs the server kept busy meanwhile. ``--busy-cpus N`` keeps N processes spinning on the
+host throughout, as a neighbour would.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
+import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .loadgen import CLIENTS, closed_loop
-from .servers import start_replica
+from .servers import die_with_parent, start_replica, stop_process
 from .stats import summarize
 from .workload import WorkloadSpec, make_requests
 
@@ -82,6 +85,21 @@ def measure(
     return runs
 
 
+@contextlib.contextmanager
+def busy_cpus(count: int) -> Iterator[None]:
+    """``count`` processes that spin on the host's CPUs until the block ends."""
+    spinning = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=die_with_parent)
+        for _ in range(count)
+    ]
+    try:
+        yield
+    finally:
+        for process in spinning:
+            process.kill()
+            stop_process(process)
+
+
 def _line(run: Run) -> str:
     return (
         f"round {run.round + 1} {run.setting.name} {run.client}: one-client p50 "
@@ -120,10 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", default=",".join(CLIENTS))
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--singles", type=int, default=60)
+    parser.add_argument("--busy-cpus", type=int, default=0,
+                        help="processes that spin on the host meanwhile (default: 0)")  # fmt: skip
     args = parser.parse_args(argv)
     settings = [parse_setting(s) for s in args.settings.split(",") if s]
-    runs = measure(settings, rounds=args.rounds, clients=args.clients.split(","),
-                   requests=args.requests, singles=args.singles)  # fmt: skip
+    with busy_cpus(args.busy_cpus):
+        runs = measure(settings, rounds=args.rounds, clients=args.clients.split(","),
+                       requests=args.requests, singles=args.singles)  # fmt: skip
     print("\n".join(_line(r) for r in runs))
     print()
     print(render(runs))

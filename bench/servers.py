@@ -83,7 +83,7 @@ def wait_ready(replica: Replica, timeout_s: float) -> None:
     raise TimeoutError(f"server not ready after {timeout_s}s:\n{replica.log()[-4000:]}")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: get SIGTERM when the benchmark dies, even by SIGKILL (Linux only)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -122,7 +122,7 @@ def _launch(arguments: list[str], log_dir: Path | None) -> Replica:
             cwd=ROOT if (ROOT / "server").is_dir() else None,
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )
     return Replica(f"http://127.0.0.1:{port}", process, log_path)
 
