@@ -2,25 +2,30 @@
 ``server/__init__.py``; an operator's own value wins).
 
 torch's CPU build here uses GNU OpenMP (libgomp). Its idle workers spin 300,000 rounds
-(about 9 ms of CPU, measured) after every parallel region before they sleep, so with every
-core in torch's pool the workers keep spinning on the core the event loop needs between
-batches, and on a host where other work holds a core they spin at barriers waiting for a
-descheduled peer. Measured on 2 vCPUs with the bundled model, 2 threads: 1,000 rounds
-leave batch-1 and 32 x 32-token forwards as fast as the default (6.1 vs 6.0 ms, 135 vs
-136 ms) and spin no CPU after a forward (0.1 vs 9 ms per 50 ms); a passive policy (no
-spin) made batch-1 3 ms slower. Measured again A/B on a shared host, with the benchmark's
-aiohttp client and with httpx (``python -m bench.defaults``, docs/frontend.md): every longer
-spin (3,000 to 300,000) lost 1.3 to 6 times in one-client latency and in throughput at 32
-clients, with both clients; on the same host with nothing else running, the best of them
-(30,000) was at most 11% ahead, and 300,000 no better than 1,000. (An Intel OpenMP build
-would read ``KMP_BLOCKTIME`` instead; none was measured, so it is left alone.)
+(about 9 ms of CPU, measured) after every parallel region before they sleep. Between the
+regions of one forward pass a short spin lets them sleep, and waking them costs more than it
+saves: a lone all-MiniLM-L6-v2 input on 2 vCPUs ran no faster on 2 threads than on one with
+1,000 rounds. 30,000 rounds (about 1 ms) keep them awake through a pass and let them sleep
+soon after it. Measured A/B, every setting in turn (``python -m bench.defaults --settings
+1000,30000``, 3 rounds, aiohttp and httpx clients): on a quiet host one client's p50 was
+17.3 and 21.6 ms against 24.1 and 26.0 ms, and 32 clients got 101.9 and 85.0 inputs/s against
+84.5 and 83.5. A long spin used to collapse where other work holds a CPU (a spinning worker
+waits at each step for a peer that is off its CPU: 132 ms and 29 inputs/s with two fixed
+threads and one CPU held by a busy process); with the server's own thread count the model
+thread falls back to one thread there (``runtime/contention.py``), and with one busy process
+30,000 rounds measured 22.1 and 24.2 ms, 54.0 and 58.7 inputs/s, against 24.1 and 33.2 ms,
+55.9 and 53.7 inputs/s at 1,000. (An Intel OpenMP build would read ``KMP_BLOCKTIME``
+instead; none was measured, so it is left alone.)
 """
 
 from __future__ import annotations
 
 import os
 
-GOMP_SPINCOUNT = "1000"
+GOMP_SPINCOUNT = "30000"
+
+OPERATOR_SPINCOUNT = os.environ.get("GOMP_SPINCOUNT")
+"""The value the process started with (None: the server's), before the server sets its own."""
 
 # NOTE: libgomp reads it once, when torch is first imported; a later change does nothing.
 os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)

@@ -5,6 +5,7 @@ import pytest
 from batching.procfs import CpuQuota
 from server.cli import build_parser
 from server.settings import LauncherSettings, Settings
+from server.supervise import launcher
 from server.supervise.launcher import (
     REPLICA_ADDRESS_FIELDS,
     describe_exit,
@@ -74,6 +75,16 @@ def test_replicas_share_the_cores(monkeypatch):
     assert replica_environment(2)["OMP_NUM_THREADS"] == "2"
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert replica_environment(3)["OMP_NUM_THREADS"] == "5"
+
+
+def test_replicas_that_share_the_cores_spin_briefly_unless_the_operator_says(monkeypatch):
+    """Their thread count is the launcher's, so no replica falls back to one thread on a busy
+    host, and a long OpenMP spin would wait at every step for a peer off its CPU."""
+    monkeypatch.setenv("GOMP_SPINCOUNT", "30000")  # as the launcher's own import set it
+    monkeypatch.setattr(launcher, "OPERATOR_SPINCOUNT", None)
+    assert replica_environment(2, cores=8)["GOMP_SPINCOUNT"] == "1000"
+    monkeypatch.setattr(launcher, "OPERATOR_SPINCOUNT", "50000")
+    assert replica_environment(2, cores=8)["GOMP_SPINCOUNT"] == "50000"
 
 
 def test_missing_nginx_fails_before_starting_anything(tmp_path, caplog):

@@ -180,7 +180,8 @@ print(min(spun) * 1e3)
 
 
 def test_the_server_bounds_openmp_spinning_before_torch_loads():
-    """CPU burnt in 50 ms of sleep after parallel work: libgomp's default spins ~9 ms."""
+    """CPU burnt in 50 ms of sleep after parallel work: libgomp's default spins ~9 ms, the
+    server's 30,000 rounds about 1 ms."""
     if available_cpus() < 2:
         unavailable("OpenMP's idle workers need 2 CPUs to spin; this process may use one")
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
@@ -188,7 +189,7 @@ def test_the_server_bounds_openmp_spinning_before_torch_loads():
         [sys.executable, "-c", "import server\n" + SPIN_PROBE],
         capture_output=True, text=True, timeout=120, check=True, cwd=ROOT, env=env,
     )  # fmt: skip
-    assert float(probe.stdout) < 2.0, f"idle OpenMP workers spun {probe.stdout.strip()} ms"
+    assert float(probe.stdout) < 4.0, f"idle OpenMP workers spun {probe.stdout.strip()} ms"
 
 
 @pytest.mark.parametrize("num_threads", [None, 2])

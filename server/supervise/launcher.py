@@ -27,6 +27,7 @@ from typing import IO
 import httpx
 from pydantic import ValidationError
 
+from ..openmp import OPERATOR_SPINCOUNT
 from ..runtime.threads import host_capacity
 from ..settings import LauncherSettings, Settings
 from .nginx import (
@@ -115,15 +116,22 @@ def passthrough_argv(flags: dict[str, object]) -> list[str]:
     return argv
 
 
+SHARED_SPINCOUNT = "1000"
+"""OpenMP's spin for replicas that share a host's cores (docs/cpu.md)."""
+
+
 def replica_environment(num_replicas: int, cores: int | None = None) -> dict[str, str]:
     """The launcher's environment, with the CPU cores shared out among the replicas: N replicas
     on one machine each using every core oversubscribe it (measured here: several times slower).
     The cores are those the launcher may use, its cgroup's CPU quota included; each replica
-    reads OMP_NUM_THREADS as its thread count. An OMP_NUM_THREADS already set wins."""
+    reads OMP_NUM_THREADS as its thread count. An OMP_NUM_THREADS already set wins. A count
+    set from outside keeps its threads however busy the host is, so OpenMP's workers spin only
+    briefly (``SHARED_SPINCOUNT``), unless GOMP_SPINCOUNT is set."""
     env = dict(os.environ)
     if cores is None:
         cores = host_capacity().num_threads
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // num_replicas)))
+    env["GOMP_SPINCOUNT"] = OPERATOR_SPINCOUNT or SHARED_SPINCOUNT
     return env
 
 
