@@ -113,6 +113,25 @@ def test_short_passes_are_not_counted():
     assert applied == []
 
 
+def test_after_a_short_pass_the_next_is_only_timed():
+    """A model that does almost no work pays two clock reads a pass, not two file reads; a
+    long pass after short ones is counted from the next one on."""
+    host = Host(pass_s=0.0005, one_thread_s=0.0001, busy_share=0.9)
+    reads = []
+    guard = ThreadGuard(2, lambda n: None, run_delay=lambda: reads.append(1) or host.delay,
+                        clock=lambda: host.now, window_s=0.5)  # fmt: skip
+    host.guard = guard
+    forward = guard.wrap(host.forward)
+    for _ in range(100):
+        forward([Item(cost=1)])
+    assert len(reads) == 1  # the first pass's, before it
+    host.pass_s = 0.01
+    forward([Item(cost=1)])
+    assert len(reads) == 1
+    forward([Item(cost=1)])
+    assert len(reads) == 3
+
+
 def test_a_pass_that_raises_still_counts_and_the_error_goes_through():
     host = Host(pass_s=0.6, one_thread_s=0.1, busy_share=0.5)
     guard, _, applied, _ = guarded(host)

@@ -85,6 +85,7 @@ class ThreadGuard:
         self._until: float | None = None  # the current choice holds until then
         self._trying_one = False
         self._disabled = False
+        self._light = False  # the last pass was shorter than min_pass_s
         self.num_fallbacks = 0
         """How often one thread proved faster and the passes stayed on it."""
         if gauge is not None:
@@ -95,14 +96,19 @@ class ThreadGuard:
             if self._disabled:
                 return forward(items)
             self._before()
-            delay = self._read()
+            # NOTE: after a pass too short to count, the next is only timed: a model that
+            # does almost no work pays two clock reads a pass, not two file reads.
+            measured = not self._light
+            delay = self._read() if measured else 0.0
             started = self._clock()
             try:
                 return forward(items)
             finally:
-                if not self._disabled:
+                wall_s = self._clock() - started
+                self._light = wall_s < self._min_pass_s
+                if measured and not self._light and not self._disabled:
                     tokens = len(items) * max((getattr(i, "cost", 1) for i in items), default=0)
-                    self._after(self._clock() - started, self._read() - delay, tokens)
+                    self._after(wall_s, self._read() - delay, tokens)
 
         return guarded_forward
 
@@ -123,8 +129,6 @@ class ThreadGuard:
                 self._use(self.num_threads)
 
     def _after(self, wall_s: float, delay_s: float, tokens: int) -> None:
-        if wall_s < self._min_pass_s:
-            return
         window = self._window
         window.add(wall_s, delay_s, tokens)
         if window.wall_s < self._window_s:
