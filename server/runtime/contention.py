@@ -107,8 +107,11 @@ class ThreadGuard:
                 wall_s = self._clock() - started
                 self._light = wall_s < self._min_pass_s
                 if measured and not self._light and not self._disabled:
-                    tokens = len(items) * max((getattr(i, "cost", 1) for i in items), default=0)
-                    self._after(wall_s, self._read() - delay, tokens)
+                    delay = self._read() - delay
+                    if not self._disabled:
+                        tokens = len(items) * max((getattr(i, "cost", 1) for i in items),
+                                                  default=0)  # fmt: skip
+                        self._after(wall_s, delay, tokens)
 
         return guarded_forward
 
@@ -118,7 +121,9 @@ class ThreadGuard:
         except (OSError, ValueError, IndexError) as exc:
             self._disabled = True
             log.warning("cannot read this thread's wait for a CPU (%s); the model keeps "
-                        "%d threads whatever the host's load", exc, self.threads)  # fmt: skip
+                        "%d threads whatever the host's load", exc, self.num_threads)  # fmt: skip
+            if self.threads != self.num_threads:
+                self._use(self.num_threads)
             return 0.0
 
     def _before(self) -> None:
@@ -153,7 +158,7 @@ class ThreadGuard:
             self._until = self._clock() + self._hold_s
             return
         if self._until is not None:
-            return  # every thread, proven faster lately
+            return  # the last choice holds
         share = window.delay_s / window.wall_s
         if share >= self._busy_share:
             self._busy, self._all_speed = share, window.speed
