@@ -7,7 +7,7 @@ its busiest), one of them is off a CPU at many steps and the rest wait for it: m
 2 vCPUs with one CPU held by a busy loop, a lone all-MiniLM-L6-v2 input took 43 ms on two
 threads against 29 ms on one, and the model thread waited for a CPU 37% of the time (0.2%
 on a quiet host); a batch of 32 inputs still ran 5% faster on two. So the model thread
-times its own wait for a CPU in every pass (``/proc/thread-self/schedstat``'s run delay);
+times its own wait for a CPU in every pass (its ``schedstat``'s run delay);
 where the host is busy it runs a while on one thread, and keeps whichever ran more padded
 tokens a second.
 """
@@ -15,11 +15,12 @@ tokens a second.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from batching.procfs import OpenFiles
 
 if TYPE_CHECKING:
     from prometheus_client import Gauge
@@ -28,24 +29,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("batchfit")
 
-SCHEDSTAT = "/proc/thread-self/schedstat"
-
 
 class RunDelay:
     """The calling thread's total wait for a CPU so far, in seconds (the second field of
     its ``schedstat``), from a file opened once per thread."""
 
-    def __init__(self, path: str = SCHEDSTAT) -> None:
-        self._path = path
-        self._local = threading.local()
+    def __init__(self, proc: str = "/proc") -> None:
+        self._proc = proc
+        self._files = OpenFiles()
 
     def __call__(self) -> float:
-        fd = getattr(self._local, "fd", None)
-        if fd is None:
-            # NOTE: /proc/thread-self resolves to the thread that opens it, so each thread
-            # reads its own through its own descriptor.
-            fd = self._local.fd = os.open(self._path, os.O_RDONLY)
-        return int(os.pread(fd, 128, 0).split()[1]) / 1e9
+        # NOTE: by thread id, not /proc/thread-self: a descriptor kept for one thread must
+        # not answer for another.
+        path = f"{self._proc}/self/task/{threading.get_native_id()}/schedstat"
+        return int(self._files.read(path).split()[1]) / 1e9
 
 
 class ThreadGuard:
