@@ -3,10 +3,14 @@ and the API docs in a real headless Chromium, under real traffic, behind an API 
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -179,6 +183,91 @@ def test_status_page_draws_live_data_that_matches_status_json(server, tmp_path):
     assert screenshot.stat().st_size > 20_000
     if keep:
         Path(keep).write_bytes(screenshot.read_bytes())
+
+
+STATIC = Path(__file__).resolve().parents[2] / "server" / "status" / "static"
+
+
+@contextmanager
+def static_status_page(samples: list[dict[str, object]]) -> Iterator[str]:
+    """The status page's own files, and a /status.json that always answers ``samples``: the
+    page alone, without a replica behind it."""
+    answer = json.dumps({"window_s": 300, "samples": samples, "ready": True,
+                         "draining": False, "model": None}).encode()  # fmt: skip
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = urlsplit(self.path).path
+            if path == "/status":
+                body, kind = (STATIC / "status.html").read_bytes(), "text/html"
+            elif path.startswith("/status/assets/") and (STATIC / Path(path).name).is_file():
+                file = STATIC / Path(path).name
+                body = file.read_bytes()
+                kind = "text/css" if file.suffix == ".css" else "text/javascript"
+            elif path == "/status.json":
+                body, kind = answer, "application/json"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_no_axis_number_overlaps_its_label_when_data_returns_after_a_gap(tmp_path):
+    # A window without batches hides the batch chart's y axes; when batches return, the plot's
+    # height changes while uPlot sizes the axes. Every chart, from no data to a range whose
+    # tick numbers differ in width with the plot's height (0.2 against 0.25 steps).
+    require_chromium()
+    now = time.time()
+    samples = [{"t": now - 10 + i, "requests_per_s": None, "batch_size": None,
+                "padded_tokens": None, "queue_depth": None, "latency_p50_ms": None,
+                "latency_p99_ms": None, "memory_free_bytes": None, "budget_bytes": None,
+                "predicted_peak_bytes": None, "measured_peak_bytes": None}
+               for i in range(10)]  # fmt: skip
+    with static_status_page(samples) as url, open_page(tmp_path) as page:
+        page.record_canvas_text()
+        page.navigate(f"{url}/status")
+        page.wait_for("window.batchfitStatus && window.batchfitStatus.samples.length === 10")
+        drawn = page.evaluate(
+            """(async () => {
+              const painted = () => new Promise((done) => setTimeout(done, 0));
+              const found = [];
+              for (const [name, chart] of Object.entries(window.batchfitStatus.charts)) {
+                const xs = chart.data[0];
+                const empty = chart.batchfitSeries.map(() => xs.map(() => null));
+                for (let step = 0; step < 30; step++) {
+                  const low = 0.5 + step / 10;
+                  chart.setData([xs, ...empty]);
+                  await painted();
+                  chart.setData([xs, ...chart.batchfitSeries.map((_, j) =>
+                    xs.map((_, i) => (j + 1) * (low + 0.85 * i / (xs.length - 1))))]);
+                  await painted();
+                  found.push({name, low, boxes: window.canvasTextBoxes(chart.ctx.canvas)});
+                }
+              }
+              return found;
+            })()"""
+        )
+        errors = page.errors()
+    assert errors == []
+    assert len(drawn) == 4 * 30 and all(len(d["boxes"]) > 5 for d in drawn), drawn[:1]
+    clashes = [(d["name"], d["low"], overlapping(d["boxes"])) for d in drawn]
+    assert [clash for clash in clashes if clash[2]] == []
 
 
 def test_api_docs_render_offline_in_the_browser(server, tmp_path):

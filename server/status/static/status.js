@@ -24,9 +24,10 @@
 
   // A y axis as wide as its widest tick number (uPlot's default is a fixed 50 px), so the
   // axis label beside the numbers never overlaps them: free memory reads "21,560.5".
-  function axisSize(self, values, axisIdx, cycleNum) {
+  // Measured in every sizing cycle, not only the first: the numbers drawn are those of the
+  // last cycle, and a y axis's width never changes its own numbers, so this converges.
+  function axisSize(self, values, axisIdx) {
     const axis = self.axes[axisIdx];
-    if (cycleNum > 1) return axis._size;
     let widest = 0;
     if (values && values.length) {
       self.ctx.font = axis.font[0];
@@ -47,6 +48,10 @@
         points: { show: false },
       }))),
       axes: [{}].concat(axes.map((axis) => Object.assign({ size: axisSize }, axis))),
+      // uPlot's automatic padding is 0 above the plot while every y axis is hidden (no data in
+      // the window) and 17 px once one shows: a plot whose height changes while uPlot sizes
+      // the axes can end up drawing numbers wider than the space the axis was laid out with.
+      padding: [17, null, 0, null],
       legend: { live: false },
     };
     const chart = new uPlot(opts, [[]].concat(series.map(() => [])), el);
