@@ -257,7 +257,10 @@ def test_no_axis_number_overlaps_its_label_when_data_returns_after_a_gap(tmp_pat
                   chart.setData([xs, ...chart.batchfitSeries.map((_, j) =>
                     xs.map((_, i) => (j + 1) * (low + 0.85 * i / (xs.length - 1))))]);
                   await painted();
-                  found.push({name, low, boxes: window.canvasTextBoxes(chart.ctx.canvas)});
+                  // The page's own poll may have drawn its samples since: such a case is
+                  // left out, not failed.
+                  const ours = chart.data[1][0] !== null;
+                  found.push({name, low, ours, boxes: window.canvasTextBoxes(chart.ctx.canvas)});
                 }
               }
               return found;
@@ -265,8 +268,10 @@ def test_no_axis_number_overlaps_its_label_when_data_returns_after_a_gap(tmp_pat
         )
         errors = page.errors()
     assert errors == []
-    assert len(drawn) == 4 * 30 and all(len(d["boxes"]) > 5 for d in drawn), drawn[:1]
-    clashes = [(d["name"], d["low"], overlapping(d["boxes"])) for d in drawn]
+    ours = [d for d in drawn if d["ours"]]
+    assert len(drawn) == 4 * 30 and len(ours) >= 100, len(ours)
+    assert all(len(d["boxes"]) > 5 for d in ours), ours[:1]
+    clashes = [(d["name"], d["low"], overlapping(d["boxes"])) for d in ours]
     assert [clash for clash in clashes if clash[2]] == []
 
 
