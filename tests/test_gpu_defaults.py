@@ -62,6 +62,36 @@ def test_auto_on_faked_cuda_loads_float16_and_says_so(tiny_folder, cuda_availabl
     assert model.info.shape.element_bytes == 2
 
 
+@pytest.fixture
+def cudnn_attention_restored():
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_a_model_on_cuda_leaves_cudnn_out_of_attention(
+    tiny_folder, cuda_available, cudnn_attention_restored, monkeypatch
+):
+    """cuDNN builds a plan per new batch shape (seconds-long stalls on a GPU); the other
+    attention kernels stay."""
+    with FakeCuda():
+        load_model(ModelSpec(model=str(tiny_folder)))
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.mem_efficient_sdp_enabled()
+
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    monkeypatch.setattr("models.loading.load_entry_point", lambda spec: spec)
+    load_model(ModelSpec(model="python:x:y"))  # a factory's model runs on the same device
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_model_on_the_cpu_leaves_attention_kernels_alone(tiny_folder, cudnn_attention_restored):
+    load_model(ModelSpec(model=str(tiny_folder), device="cpu"))
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_auto_on_cpu_loads_float32(tiny_folder):
     model = load_model(ModelSpec(model=str(tiny_folder), device="cpu"))
     assert (model.info.device, model.info.dtype) == ("cpu", "float32")
