@@ -50,13 +50,16 @@ def load_plain_encoder(
 ) -> PlainEncoder:
     """The model (default: the bundled one) loaded with plain ``from_pretrained`` calls, at
     torch's default thread count, truncating at the shortest of the model's positions, the
-    tokenizer's maximum and sentence-transformers' ``max_seq_length`` (as the server does)."""
+    tokenizer's maximum and sentence-transformers' ``max_seq_length`` (as the server does).
+    On CUDA, attention leaves cuDNN's kernel out, as the server does: with it every new batch
+    shape pays for a plan, and the limit would be the slower one."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from models.loading import BUNDLED_MODEL, resolve_model_path
+    from models.loading import BUNDLED_MODEL, avoid_per_shape_attention_plans, resolve_model_path
 
     path = resolve_model_path(model or BUNDLED_MODEL)
+    avoid_per_shape_attention_plans(torch.device(device))
     if dtype == "auto":
         dtype = "float16" if device.startswith("cuda") else "float32"
     tokenizer = AutoTokenizer.from_pretrained(path)

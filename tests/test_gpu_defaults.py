@@ -7,6 +7,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from bench.plain import load_plain_encoder
 from models import ModelLoadError, ModelSpec, load_model
 from models.loading import resolve_dtype
 from models.testing import save_tiny_model
@@ -84,6 +85,14 @@ def test_a_model_on_cuda_leaves_cudnn_out_of_attention(
     torch.backends.cuda.enable_cudnn_sdp(True)
     monkeypatch.setattr("models.loading.load_entry_point", lambda spec: spec)
     load_model(ModelSpec(model="python:x:y"))  # a factory's model runs on the same device
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_the_in_process_limit_runs_attention_as_a_replica_does_on_cuda(
+    tiny_folder, cuda_available, cudnn_attention_restored
+):
+    with FakeCuda():
+        load_plain_encoder(str(tiny_folder), device="cuda")
     assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
