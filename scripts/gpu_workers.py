@@ -2,8 +2,8 @@
 
 The same replica with 1, 2, 4 and 8 API processes, under the same load: single-input
 requests from ``wrk`` where it is installed, else from the aiohttp client in several
-processes (one process of it carried about 6,000 requests a second on an H200 host, below
-what four API processes answer), first against the no-op model (what the front end alone can
+processes (one process of it carried at most about 6,800 requests a second on an H200 host,
+which may be below what four API processes answer), first against the no-op model (what the front end alone can
 carry) and then against MiniLM on the device.
 """
 
