@@ -3,8 +3,8 @@
 The same replica with 1, 2, 4 and 8 API processes, under the same load: single-input
 requests from ``wrk`` where it is installed, else from the aiohttp client in several
 processes (one process of it carried at most about 6,800 requests a second on an H200 host,
-which may be below what four API processes answer), first against the no-op model (what the front end alone can
-carry) and then against MiniLM on the device.
+which may be below what four API processes answer), first against the no-op model (what the
+front end alone can carry) and then against MiniLM on the device.
 """
 
 from __future__ import annotations
