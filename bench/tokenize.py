@@ -85,7 +85,7 @@ def measure(sizes: Sequence[int] = SIZES_CHARS, repeats: int = 200) -> list[Toke
     costs = []
     for chars in sizes:
         texts = texts_of(chars, 16)
-        tokens = len(model._full.encode(texts[0]).ids)  # type: ignore[attr-defined]
+        tokens = len(model.preparer()._full.encode(texts[0]).ids)  # type: ignore[attr-defined]
         inline, off_cpu, off_wall = uvloop.run(_measure(prepare, texts, repeats))
         costs.append(TokenizeCost(chars, tokens, inline, off_cpu, off_wall))
     return costs

@@ -1,8 +1,16 @@
-"""Model contract and adapters. Imports nothing from ``server`` or ``batching``."""
+"""Model contract and adapters. Imports nothing from ``server`` or ``batching``.
 
+Names load with their submodule on first use (PEP 562), so that a process which only
+tokenizes (an API process in front of an engine) never imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .answers import top_labels, truncate_dimensions
 from .base import ArchitectureShape, Item, Model, ModelInfo
-from .custom import load_entry_point, parse_entry_point
-from .description import ModelDescription, describe
 from .errors import (
     DeviceError,
     InputTooLong,
@@ -12,19 +20,42 @@ from .errors import (
     is_out_of_memory,
     translate_error,
 )
-from .loading import (
-    BUNDLED_MODEL,
-    ModelSpec,
-    available_cpus,
-    load_model,
-    resolve_device,
-    set_cpu_threads,
-)
-from .postprocess import top_labels, truncate_dimensions
-from .profiling import BatchProfiler, ProfilerBusy, ProfileStatus
 from .prompts import UnknownPrompt, resolve_prompt
-from .quantization import quantize_int8
-from .text import TextModel, Tokens
+from .spec import BUNDLED_MODEL, ModelSpec, available_cpus
+from .tokenizing import TextTokenizer, Tokens
+
+if TYPE_CHECKING:
+    from .custom import load_entry_point, parse_entry_point
+    from .description import ModelDescription, describe
+    from .loading import load_model, resolve_device, set_cpu_threads
+    from .profiling import BatchProfiler, ProfilerBusy, ProfileStatus
+    from .quantization import quantize_int8
+    from .text import TextModel
+
+_LAZY = {
+    "load_entry_point": "custom",
+    "parse_entry_point": "custom",
+    "ModelDescription": "description",
+    "describe": "description",
+    "load_model": "loading",
+    "resolve_device": "loading",
+    "set_cpu_threads": "loading",
+    "BatchProfiler": "profiling",
+    "ProfilerBusy": "profiling",
+    "ProfileStatus": "profiling",
+    "quantize_int8": "quantization",
+    "TextModel": "text",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BUNDLED_MODEL",
@@ -43,6 +74,7 @@ __all__ = [
     "ProfileStatus",
     "ProfilerBusy",
     "TextModel",
+    "TextTokenizer",
     "Tokens",
     "UnknownPrompt",
     "available_cpus",

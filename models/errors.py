@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import re
-
-import torch
+import sys
 
 
 class ModelError(Exception):
@@ -44,9 +43,16 @@ _REQUESTED_BYTES = re.compile(r"allocate\s+(\d+(?:\.\d+)?)\s*(bytes|[KMG]i?B)")
 _UNIT = {"bytes": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
+def _torch_error(name: str) -> type[BaseException] | tuple[()]:
+    """torch's error class ``name``, or nothing where torch was never imported (then no torch
+    error can have been raised): a process that only tokenizes never imports torch."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, name, ()) if torch is not None else ()
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """True for torch's CUDA OOM and the CPU allocator's allocation failure, nothing else."""
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+    if isinstance(exc, (MemoryError, _torch_error("OutOfMemoryError"))):
         return True
     return isinstance(exc, RuntimeError) and (
         "can't allocate memory" in str(exc) or "not enough memory" in str(exc)
@@ -54,7 +60,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def is_device_error(exc: BaseException) -> bool:
-    return isinstance(exc, torch.AcceleratorError) or (
+    return isinstance(exc, _torch_error("AcceleratorError")) or (
         isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
     )
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,32 +22,53 @@ from .description import ModelDescription, convert_hint, describe, step_name
 from .errors import ModelLoadError
 from .postprocess import make_postprocess
 from .quantization import check_quantize, module_bytes, quantize_int8
+from .spec import (
+    BUNDLED_MODEL,
+    DTYPE_NAMES,
+    DTYPES,
+    TASKS,
+    ModelSpec,
+    available_cpus,
+    cpu_threads,
+    omp_num_threads,
+)
 from .text import TextModel
+
+# The names from ``spec.py`` are this module's too, where they were first defined.
+__all__ = [
+    "BUNDLED_MODEL",
+    "DTYPES",
+    "HUB_FILES",
+    "TASKS",
+    "ModelSpec",
+    "architecture_shape",
+    "available_cpus",
+    "avoid_per_shape_attention_plans",
+    "cpu_threads",
+    "describe_outputs",
+    "detect_task",
+    "download",
+    "load_model",
+    "model_max_tokens",
+    "model_name",
+    "omp_num_threads",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_model_path",
+    "set_cpu_threads",
+    "sliding_window",
+]
 
 log = logging.getLogger(__name__)
 
-BUNDLED_MODEL = "all-MiniLM-L6-v2"
-TASKS = ("auto", "embed", "classify", "rerank")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPES = ("auto", *_DTYPES)
+assert tuple(_DTYPES) == DTYPE_NAMES
 
 
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """What to load and where; built from settings by the server."""
-
-    model: str = BUNDLED_MODEL
-    task: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
-    """float32, float16, bfloat16, or auto: see ``resolve_dtype``."""
-    max_input_tokens: int | None = None
-    quantize: str = "none"
-    num_threads: int | None = None
-    """torch intra-op threads on CPU; None: see ``cpu_threads``."""
-    default_prompt_name: str | None = None
-    """The prompt inputs get when a request names none; None: the model's own default, "":
-    no prompt."""
+def set_cpu_threads(num_threads: int) -> None:
+    """Run the calling thread's next CPU forward passes on ``num_threads`` intra-op threads
+    (OpenMP's thread count is per thread: call it on the model thread)."""
+    torch.set_num_threads(num_threads)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -72,38 +91,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     if dtype not in _DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     return dtype
-
-
-def cpu_threads(requested: int | None, environ: Mapping[str, str] = os.environ) -> int:
-    """Intra-op threads for CPU inference: as asked, else ``OMP_NUM_THREADS`` where it is set
-    (``batchfit up`` shares the cores out among its replicas with it), else every CPU this
-    process may use (torch's own default). NOTE: measured on 2 vCPUs, leaving a core to the
-    event loop cost a third of throughput and of one-client latency; what hurt with every
-    core in the pool was OpenMP's idle workers spinning on the event loop's core, which the
-    server bounds (``GOMP_SPINCOUNT``)."""
-    if requested is not None:
-        return requested
-    return omp_num_threads(environ) or available_cpus()
-
-
-def set_cpu_threads(num_threads: int) -> None:
-    """Run the calling thread's next CPU forward passes on ``num_threads`` intra-op threads
-    (OpenMP's thread count is per thread: call it on the model thread)."""
-    torch.set_num_threads(num_threads)
-
-
-def omp_num_threads(environ: Mapping[str, str] = os.environ) -> int | None:
-    """``OMP_NUM_THREADS`` (its first level, as in ``4,2``); None where unset or not a
-    positive count."""
-    first = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    return int(first) if first.isdigit() and int(first) > 0 else None
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity; a cgroup's CPU quota is not seen here)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 # What a hub download fetches: configs, safetensors weights, tokenizer files, and the same in

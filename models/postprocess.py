@@ -2,8 +2,7 @@
 
 Embedders run their steps in order (pooling, Dense layers, normalisation, truncation) with
 sentence-transformers' own formulas; heads apply their activation. Per request, Matryoshka
-``dimensions`` and a classifier's ``top_k`` shape the answer (``truncate_dimensions``,
-``top_labels``).
+``dimensions`` and a classifier's ``top_k`` shape the answer (``models/answers.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -194,20 +192,3 @@ def _ranked(scores: Sequence[float], labels: Sequence[str]) -> list[dict[str, An
         {"label": labels[i] if i < len(labels) else str(i), "score": float(scores[i])}
         for i in order
     ]
-
-
-def truncate_dimensions(vector: Any, dimensions: int, normalize: bool) -> np.ndarray:
-    """A Matryoshka embedding's first ``dimensions`` values, renormalised to unit length when
-    the model's own output is normalised."""
-    kept = np.asarray(vector, dtype=np.float32)[:dimensions]
-    if normalize:
-        norm = float(np.linalg.norm(kept.astype(np.float64)))
-        kept = (kept / max(norm, 1e-12)).astype(np.float32)
-    return kept
-
-
-def top_labels(output: Any, top_k: int | None) -> Any:
-    """A classifier's answer: the best ``{label, score}``, or with ``top_k`` the best ``top_k``
-    of them, best first."""
-    ranked = output if isinstance(output, list) else [output]
-    return ranked[0] if top_k is None else ranked[:top_k]

@@ -1,4 +1,7 @@
-"""On-demand torch.profiler traces of the next N batches, recorded on the model thread."""
+"""On-demand torch.profiler traces of the next N batches, recorded on the model thread.
+
+torch is imported when a trace starts: the admin routes of an API process (which never
+imports torch) read ``ProfilerBusy`` and ``ProfileStatus`` from here."""
 
 from __future__ import annotations
 
@@ -9,10 +12,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,8 @@ class BatchProfiler:
             if self._profile is None:
                 self._start()
             max_cost = max((getattr(item, "cost", 0) for item in items), default=0)
+            from torch.profiler import record_function
+
             try:
                 with record_function(f"batchfit_batch[{len(items)}x{max_cost}]"):
                     return forward(items)
@@ -99,6 +104,8 @@ class BatchProfiler:
         return profiled_forward
 
     def _start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
         activities = [ProfilerActivity.CPU]
         if _cuda_in_use():
             activities.append(ProfilerActivity.CUDA)
@@ -133,6 +140,8 @@ class BatchProfiler:
         error = None
         try:
             if _cuda_in_use():
+                import torch
+
                 torch.cuda.synchronize()
             prof.stop()
             partial = path.with_suffix(".partial")
@@ -150,4 +159,6 @@ class BatchProfiler:
 
 
 def _cuda_in_use() -> bool:
+    import torch
+
     return torch.cuda.is_available() and torch.cuda.is_initialized()

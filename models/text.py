@@ -3,11 +3,8 @@ and cross-encoders. What follows the forward pass is the model's postprocess."""
 
 from __future__ import annotations
 
-import copy
 import inspect
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,29 +12,17 @@ from tokenizers import Tokenizer
 
 from .base import ArchitectureShape, Item, ModelInfo
 from .description import ModelDescription, activation_name
-from .errors import InputTooLong, translate_error
+from .errors import translate_error
 from .postprocess import Postprocess
-
-TRUNCATION_SIDES = ("right", "left")
-
-
-@dataclass(frozen=True, slots=True)
-class Tokens:
-    """One input's token ids; a pair's segment ids; how many leading tokens are its prompt
-    (0 unless pooling leaves the prompt out)."""
-
-    ids: list[int]
-    type_ids: list[int] | None = None
-    prompt_length: int = 0
+from .tokenizing import TRUNCATION_SIDES, TextTokenizer, Tokens
 
 
 class TextModel:
     """A transformers model behind the model contract.
 
-    Three tokenizer copies are configured once at load (one truncating on each side, one
-    not) and never mutated afterwards, so they can encode from any thread without the fast
-    tokenizer's "Already borrowed" errors. Batches are padded on the right; the postprocess
-    reads each row's real tokens from the attention mask.
+    Inputs are tokenized by a ``TextTokenizer`` (``models/tokenizing.py``), which holds no
+    weights. Batches are padded on the right; the postprocess reads each row's real tokens
+    from the attention mask.
     """
 
     def __init__(
@@ -67,8 +52,6 @@ class TextModel:
         self._pin_memory = device.type == "cuda"
         self._pad_token_id = pad_token_id
         self._postprocess = postprocess
-        self._special_ids = special_ids
-        self._prompt_lengths: dict[str, int] = {}
         # NOTE: the signature, not ``forward.__code__``: transformers wraps ``forward`` in
         # decorators whose code object takes only ``*args, **kwargs``, which silently dropped
         # the segment ids of every pair.
@@ -78,27 +61,8 @@ class TextModel:
         self._accepts_use_cache = "use_cache" in parameters
         pooling = description.pooling if description is not None else None
         self._exclude_prompt = pooling is not None and not pooling.include_prompt
-        source = tokenizer.to_str()
-        if description is not None and description.do_lower_case:
-            source = _lowercased(source)
-        self._full = Tokenizer.from_str(source)
-        self._full.no_truncation()
-        self._full.no_padding()
-        self._truncating: dict[str, Tokenizer] = {}
-        for side in TRUNCATION_SIDES:
-            truncating = Tokenizer.from_str(source)
-            truncating.enable_truncation(max_length=max_input_tokens, direction=side)
-            truncating.no_padding()
-            self._truncating[side] = truncating
         if truncation_side not in TRUNCATION_SIDES:
             truncation_side = "right"
-        self._truncation_side = truncation_side
-        # Any non-special id works for warm-up: 1000 where the vocabulary has it.
-        vocab_size = self._full.get_vocab_size()
-        self._filler_id = next(
-            i for i in (1000, *range(vocab_size - 1, -1, -1))
-            if i < vocab_size and i not in special_ids
-        )  # fmt: skip
         dtype = next(module.parameters()).dtype
         self.info = ModelInfo(
             name=name,
@@ -117,84 +81,39 @@ class TextModel:
             activation=activation_name(description.head_activation) if description else None,
             truncation_side=truncation_side,
         )
+        self._tokenizer = TextTokenizer(
+            tokenizer, info=self.info, special_ids=special_ids,
+            lowercase=description is not None and description.do_lower_case,
+            exclude_prompt=self._exclude_prompt,
+        )  # fmt: skip
 
-    def preparer(self) -> TextModel:
-        """This model without its weights: all that tokenizing (``prepare``,
-        ``prepare_pairs``) needs. It pickles, so another process can tokenize for it."""
-        bare = copy.copy(self)
-        bare._module = None
-        bare._postprocess = None
-        bare._device = torch.device("cpu")
-        return bare
+    def preparer(self) -> TextTokenizer:
+        """All that tokenizing (``prepare``, ``prepare_pairs``) needs, without the weights or
+        torch. It pickles, so another process can tokenize for this model."""
+        return self._tokenizer
 
     def prepare(
         self, inputs: Sequence[str], *, truncate: bool, prompt: str | None = None,
         truncation_direction: str | None = None,
     ) -> list[Item]:  # fmt: skip
-        """One item per input; a prompt goes in front of each input's text, as
-        sentence-transformers puts it, and its tokens count in the item's cost. Truncation
-        cuts the prompted text, as sentence-transformers does: from the end
-        ``truncation_direction`` names (default: the tokenizer's side), so ``left`` cuts a
-        long input's prompt before its end."""
-        texts = [prompt + text for text in inputs] if prompt else list(inputs)
-        return self._items(
-            texts, truncate=truncate, pairs=False, prompt=prompt, side=truncation_direction
+        """As ``TextTokenizer.prepare``."""
+        return self._tokenizer.prepare(
+            inputs, truncate=truncate, prompt=prompt, truncation_direction=truncation_direction
         )
 
     def prepare_pairs(
         self, query: str, documents: Sequence[str], *, truncate: bool = True,
         prompt: str | None = None, truncation_direction: str | None = None,
     ) -> list[Item]:  # fmt: skip
-        """One item per (query, document) pair, encoded as the tokenizer encodes a pair (with
-        its separators and segment ids); truncation shortens the longer side first, from the
-        end ``truncation_direction`` names. A prompt goes in front of the query."""
-        query = prompt + query if prompt else query
-        pairs = [(query, document) for document in documents]
-        return self._items(
-            pairs, truncate=truncate, pairs=True, prompt=None, side=truncation_direction
-        )
-
-    def _items(
-        self, inputs: list[Any], *, truncate: bool, pairs: bool, prompt: str | None,
-        side: str | None = None,
-    ) -> list[Item]:  # fmt: skip
-        side = side or self._truncation_side
-        if side not in TRUNCATION_SIDES:
-            raise ValueError(f"truncation_direction must be right or left, got {side!r}")
-        tokenizer = self._truncating[side] if truncate else self._full
-        limit = self.info.max_input_tokens
-        prompt_length = self._prompt_length(prompt) if prompt and self._exclude_prompt else 0
-        items = []
-        for index, encoding in enumerate(tokenizer.encode_batch_fast(inputs)):
-            ids = encoding.ids
-            if len(ids) > limit:
-                raise InputTooLong(index, len(ids), limit)
-            data = Tokens(ids, encoding.type_ids if pairs else None, prompt_length)
-            items.append(Item(data=data, cost=len(ids)))
-        return items
-
-    def _prompt_length(self, prompt: str) -> int:
-        """The prompt's tokens as sentence-transformers counts them: the prompt encoded alone,
-        less a trailing special token (an end-of-sequence or separator)."""
-        found = self._prompt_lengths.get(prompt)
-        if found is None:
-            ids = self._truncating[self._truncation_side].encode(prompt).ids
-            found = len(ids) - 1 if ids and ids[-1] in self._special_ids else len(ids)
-            if len(self._prompt_lengths) < 256:  # literal prompts come from clients
-                self._prompt_lengths[prompt] = found
-        return found
+        """As ``TextTokenizer.prepare_pairs``."""
+        return self._tokenizer.prepare_pairs(
+            query, documents, truncate=truncate, prompt=prompt,
+            truncation_direction=truncation_direction,
+        )  # fmt: skip
 
     def synthetic_items(self, num_items: int, length: int) -> list[Item]:
-        """``num_items`` inputs padded to ``length``. NOTE: in a batch of several the last
-        is one token shorter, as in a served batch: a batch without padding needs no
-        attention mask under sdpa, and would measure a peak smaller than served batches
-        of its shape reach (an ``n x L x L`` mask; half the peak at 2 x 4096 tokens)."""
-        length = max(2, min(length, self.info.max_input_tokens))
-        tokens = Tokens([self._filler_id] * length)
-        items = [Item(data=tokens, cost=length) for _ in range(num_items)]
-        if num_items > 1:
-            items[-1] = Item(data=Tokens([self._filler_id] * (length - 1)), cost=length - 1)
-        return items
+        """As ``TextTokenizer.synthetic_items``."""
+        return self._tokenizer.synthetic_items(num_items, length)
 
     def collate(
         self, items: Sequence[Item], *, pin_memory: bool = False
@@ -246,32 +165,6 @@ class TextModel:
             # frames holding the failed batch's tensors) stays reachable from our error.
             raise error
         return results
-
-
-def _lowercased(tokenizer_json: str) -> str:
-    """The tokenizer with a Lowercase normalizer in front, unless it lowercases already
-    (sentence-transformers' ``do_lower_case``)."""
-    spec = json.loads(tokenizer_json)
-    existing = spec.get("normalizer")
-    if _lowercases(existing):
-        return tokenizer_json
-    if existing is None:
-        rest = []
-    elif existing.get("type") == "Sequence":
-        rest = list(existing.get("normalizers", []))
-    else:
-        rest = [existing]
-    spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Lowercase"}, *rest]}
-    return json.dumps(spec)
-
-
-def _lowercases(spec: Any) -> bool:
-    if not isinstance(spec, dict):
-        return False
-    kind = spec.get("type")
-    if kind == "Lowercase" or (kind == "BertNormalizer" and spec.get("lowercase")):
-        return True
-    return kind == "Sequence" and any(_lowercases(n) for n in spec.get("normalizers", []))
 
 
 def _num_parameters(module: torch.nn.Module) -> int:

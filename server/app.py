@@ -27,7 +27,6 @@ from .middleware import RequestContextMiddleware
 from .protocols import kserve_v2, openai
 from .rerank import router as rerank_router
 from .routes import metrics_response, router
-from .runtime import Runtime
 from .settings import Settings
 from .status import ASSETS_URL as STATUS_ASSETS_URL
 from .status import StatusHistory, make_status_router, status_assets
@@ -57,6 +56,8 @@ def create_app(
     disable_created_metrics()
     registry = registry if registry is not None else CollectorRegistry()
     if runtime is None:
+        from .runtime import Runtime  # with torch: an API process passes its own runtime
+
         runtime = Runtime(
             settings,
             registry=registry,

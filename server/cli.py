@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings
 from bulk.cli import COMMANDS as BULK_COMMANDS
 from bulk.cli import add_bulk_parsers, bulk_command_line
 
+from .logs import configure_logging
 from .settings import LauncherSettings, Settings
 
 # NOTE: the HTTP stack (uvicorn, the app, the launcher) and the benchmarks are imported by
@@ -70,14 +71,6 @@ def _metavar(annotation: object) -> str:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     return Settings(**given)
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
 
 
 # oneDNN (torch on CPU) caches compiled primitives per tensor shape, 1024 by default. The

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -11,7 +11,10 @@ from models import ModelInfo, resolve_prompt, top_labels, truncate_dimensions
 
 from .disconnect import client_watch
 from .errors import ApiError
-from .runtime import ClientDisconnected, ModelSlot, RequestTrace, Runtime
+from .runtime import ClientDisconnected, ModelSlot, RequestTrace
+
+if TYPE_CHECKING:  # the engine's; an API process never imports it (nor torch)
+    from .runtime import Runtime
 
 
 def runtime_of(request: Request) -> Runtime:

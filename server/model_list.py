@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from models import ModelSpec
-from models.loading import TASKS
+from models.spec import TASKS
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAMED = re.compile(rf"({NAME.pattern})=(.+)")

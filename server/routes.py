@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, Header, Request
@@ -37,8 +37,10 @@ from .lean import (
     read_body,
     validation_errors,
 )
-from .runtime import Runtime
 from .schemas import ErrorBody, InferRequest, InferResponse, ModelList, Status
+
+if TYPE_CHECKING:  # the engine's; an API process never imports it (nor torch)
+    from .runtime import Runtime
 
 RETRY_AFTER = {
     "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}

@@ -13,7 +13,7 @@ from models.loading import resolve_dtype
 from models.testing import save_tiny_model
 from server import Settings
 from server.app import create_app
-from tests.fakes import FakeCuda
+from tests.fake_cuda import FakeCuda
 
 TEXTS = ["a short one", "a somewhat longer input sentence for the fake device", "third"]
 

@@ -25,8 +25,9 @@ from transformers import (
 )
 
 from models import ModelLoadError, ModelSpec, UnknownPrompt, load_model, resolve_prompt
+from models.answers import top_labels, truncate_dimensions
 from models.description import Pooling, describe
-from models.postprocess import pool, top_labels, truncate_dimensions
+from models.postprocess import pool
 from models.testing import save_tiny_model
 from server.runtime.slot import prepare_call
 from server.settings import Settings

@@ -12,7 +12,6 @@ import torch
 
 from batching import ModelThread
 from models import BatchProfiler, Item, ProfilerBusy
-from models import profiling as profiling_module
 from server import Settings, create_app
 from tests.fakes import ScriptedModel
 from tests.test_app import assert_error, running
@@ -38,7 +37,7 @@ class TorchForward:
 def thread_log(monkeypatch):
     """Record the thread that starts and stops the torch profiler."""
     calls: list[tuple[str, str]] = []
-    real = profiling_module.profile
+    real = torch.profiler.profile  # the profiler imports it when a trace starts
 
     class RecordingProfile(real):
         def start(self):
@@ -49,7 +48,7 @@ def thread_log(monkeypatch):
             calls.append(("stop", threading.current_thread().name))
             return super().stop()
 
-    monkeypatch.setattr(profiling_module, "profile", RecordingProfile)
+    monkeypatch.setattr(torch.profiler, "profile", RecordingProfile)
     return calls
 
 

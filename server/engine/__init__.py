@@ -6,6 +6,17 @@ validate, tokenize and encode answers. They talk over one Unix socket pair each
 (``link.py``, ``wire.py``).
 """
 
-from .host import serve_engine
+from __future__ import annotations
+
+from typing import Any
+
+
+def serve_engine(settings: Any) -> int:
+    """``batchfit serve`` with ``--api-workers`` of 2 or more (``host.serve_engine``),
+    imported on call: an API process imports this package and never runs the engine."""
+    from .host import serve_engine as serve
+
+    return serve(settings)
+
 
 __all__ = ["serve_engine"]

@@ -21,7 +21,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from ..app import create_app
-from ..cli import configure_logging
+from ..logs import configure_logging
 from ..one_write import OneWriteHTTPProtocol
 from ..supervise.nginx import UVICORN_KEEP_ALIVE_S
 from .remote import RemoteRuntime

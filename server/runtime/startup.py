@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from batching import MemoryMetrics, MemoryProbe, ModelThread, limit_address_space
-from models import load_model
+from models import Model, ModelSpec
 
 from ..cache import InputCache, default_cache_bytes, host_memory_bytes
 from ..metrics import ServerMetrics
@@ -19,6 +19,15 @@ from .slot import ModelSlot
 from .tokenize import idle_inline_limit, measure_inline_limit
 
 log = logging.getLogger("batchfit")
+
+
+def load_model(spec: ModelSpec) -> Model:
+    """``models.load_model``, imported on the first load: torch comes with it, and a process
+    that imports the runtime only to serve requests (an API process) never loads a model."""
+    from models import load_model as load
+
+    return load(spec)
+
 
 # Until a model's own limit is measured at start-up (``tokenize.py``).
 INLINE_TOKENIZE_CHARS = 4096

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from batching.procfs import CpuQuota, own_cpu_quota
-from models.loading import available_cpus, omp_num_threads
+from models.spec import available_cpus, omp_num_threads
 
 FLAG, OMP, QUOTA, AFFINITY = "--num-threads", "OMP_NUM_THREADS", "cgroup cpu quota", "CPU affinity"
 

@@ -390,6 +390,20 @@ def test_the_engine_caches_for_every_api_process_and_shares_inputs_in_flight(gat
     assert shared == 7
 
 
+def maps_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_api_processes_never_load_torch(gated):
+    """They validate, tokenize and answer; the engine alone holds the models, and torch with
+    them (some 200 MiB of memory and 2 s of start-up an API process does without). After
+    every protocol, dimensions and truncation have been served above."""
+    workers = children(gated.server.process.pid)
+    assert len(workers) == 2
+    assert maps_torch(gated.server.process.pid)
+    assert not any(maps_torch(pid) for pid in workers)
+
+
 def test_a_killed_api_process_is_started_again_and_the_replica_serves_on(gated):
     """Last on the shared replica: it leaves the replica as it found it, with a new process."""
     server = gated.server

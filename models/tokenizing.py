@@ -1,0 +1,160 @@
+"""Tokenizing for Hugging Face text models, apart from their weights: what a ``TextModel``
+prepares its inputs with, and all that a process which only tokenizes for it (an API process
+in front of an engine) holds. It needs the ``tokenizers`` library, never torch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from .base import Item, ModelInfo
+from .errors import InputTooLong
+
+TRUNCATION_SIDES = ("right", "left")
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """One input's token ids; a pair's segment ids; how many leading tokens are its prompt
+    (0 unless pooling leaves the prompt out)."""
+
+    ids: list[int]
+    type_ids: list[int] | None = None
+    prompt_length: int = 0
+
+
+class TextTokenizer:
+    """A model's inputs as items of token ids, for ``info`` (its name, maximum input length
+    and truncation side).
+
+    Three tokenizer copies are configured once (one truncating on each side, one not) and
+    never mutated afterwards, so they can encode from any thread without the fast
+    tokenizer's "Already borrowed" errors. It pickles, so another process can tokenize.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, *, info: ModelInfo, special_ids: frozenset[int] = frozenset(),
+        lowercase: bool = False, exclude_prompt: bool = False,
+    ) -> None:  # fmt: skip
+        self.info = info
+        self._special_ids = special_ids
+        self._exclude_prompt = exclude_prompt
+        self._prompt_lengths: dict[str, int] = {}
+        source = tokenizer.to_str()
+        if lowercase:
+            source = _lowercased(source)
+        self._full = Tokenizer.from_str(source)
+        self._full.no_truncation()
+        self._full.no_padding()
+        self._truncating: dict[str, Tokenizer] = {}
+        for side in TRUNCATION_SIDES:
+            truncating = Tokenizer.from_str(source)
+            truncating.enable_truncation(max_length=info.max_input_tokens, direction=side)
+            truncating.no_padding()
+            self._truncating[side] = truncating
+        self._truncation_side = info.truncation_side or "right"
+        # Any non-special id works for warm-up: 1000 where the vocabulary has it.
+        vocab_size = self._full.get_vocab_size()
+        self._filler_id = next(
+            i for i in (1000, *range(vocab_size - 1, -1, -1))
+            if i < vocab_size and i not in special_ids
+        )  # fmt: skip
+
+    def prepare(
+        self, inputs: Sequence[str], *, truncate: bool, prompt: str | None = None,
+        truncation_direction: str | None = None,
+    ) -> list[Item]:  # fmt: skip
+        """One item per input; a prompt goes in front of each input's text, as
+        sentence-transformers puts it, and its tokens count in the item's cost. Truncation
+        cuts the prompted text, as sentence-transformers does: from the end
+        ``truncation_direction`` names (default: the tokenizer's side), so ``left`` cuts a
+        long input's prompt before its end."""
+        texts = [prompt + text for text in inputs] if prompt else list(inputs)
+        return self._items(
+            texts, truncate=truncate, pairs=False, prompt=prompt, side=truncation_direction
+        )
+
+    def prepare_pairs(
+        self, query: str, documents: Sequence[str], *, truncate: bool = True,
+        prompt: str | None = None, truncation_direction: str | None = None,
+    ) -> list[Item]:  # fmt: skip
+        """One item per (query, document) pair, encoded as the tokenizer encodes a pair (with
+        its separators and segment ids); truncation shortens the longer side first, from the
+        end ``truncation_direction`` names. A prompt goes in front of the query."""
+        query = prompt + query if prompt else query
+        pairs = [(query, document) for document in documents]
+        return self._items(
+            pairs, truncate=truncate, pairs=True, prompt=None, side=truncation_direction
+        )
+
+    def _items(
+        self, inputs: list[Any], *, truncate: bool, pairs: bool, prompt: str | None,
+        side: str | None = None,
+    ) -> list[Item]:  # fmt: skip
+        side = side or self._truncation_side
+        if side not in TRUNCATION_SIDES:
+            raise ValueError(f"truncation_direction must be right or left, got {side!r}")
+        tokenizer = self._truncating[side] if truncate else self._full
+        limit = self.info.max_input_tokens
+        prompt_length = self._prompt_length(prompt) if prompt and self._exclude_prompt else 0
+        items = []
+        for index, encoding in enumerate(tokenizer.encode_batch_fast(inputs)):
+            ids = encoding.ids
+            if len(ids) > limit:
+                raise InputTooLong(index, len(ids), limit)
+            data = Tokens(ids, encoding.type_ids if pairs else None, prompt_length)
+            items.append(Item(data=data, cost=len(ids)))
+        return items
+
+    def _prompt_length(self, prompt: str) -> int:
+        """The prompt's tokens as sentence-transformers counts them: the prompt encoded alone,
+        less a trailing special token (an end-of-sequence or separator)."""
+        found = self._prompt_lengths.get(prompt)
+        if found is None:
+            ids = self._truncating[self._truncation_side].encode(prompt).ids
+            found = len(ids) - 1 if ids and ids[-1] in self._special_ids else len(ids)
+            if len(self._prompt_lengths) < 256:  # literal prompts come from clients
+                self._prompt_lengths[prompt] = found
+        return found
+
+    def synthetic_items(self, num_items: int, length: int) -> list[Item]:
+        """``num_items`` inputs padded to ``length``. NOTE: in a batch of several the last
+        is one token shorter, as in a served batch: a batch without padding needs no
+        attention mask under sdpa, and would measure a peak smaller than served batches
+        of its shape reach (an ``n x L x L`` mask; half the peak at 2 x 4096 tokens)."""
+        length = max(2, min(length, self.info.max_input_tokens))
+        tokens = Tokens([self._filler_id] * length)
+        items = [Item(data=tokens, cost=length) for _ in range(num_items)]
+        if num_items > 1:
+            items[-1] = Item(data=Tokens([self._filler_id] * (length - 1)), cost=length - 1)
+        return items
+
+
+def _lowercased(tokenizer_json: str) -> str:
+    """The tokenizer with a Lowercase normalizer in front, unless it lowercases already
+    (sentence-transformers' ``do_lower_case``)."""
+    spec = json.loads(tokenizer_json)
+    existing = spec.get("normalizer")
+    if _lowercases(existing):
+        return tokenizer_json
+    if existing is None:
+        rest = []
+    elif existing.get("type") == "Sequence":
+        rest = list(existing.get("normalizers", []))
+    else:
+        rest = [existing]
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Lowercase"}, *rest]}
+    return json.dumps(spec)
+
+
+def _lowercases(spec: Any) -> bool:
+    if not isinstance(spec, dict):
+        return False
+    kind = spec.get("type")
+    if kind == "Lowercase" or (kind == "BertNormalizer" and spec.get("lowercase")):
+        return True
+    return kind == "Sequence" and any(_lowercases(n) for n in spec.get("normalizers", []))
