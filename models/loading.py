@@ -61,8 +61,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-assert tuple(_DTYPES) == DTYPE_NAMES
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def set_cpu_threads(num_threads: int) -> None:
