@@ -74,7 +74,7 @@ def cudnn_attention_restored():
 def test_a_model_on_cuda_leaves_cudnn_out_of_attention(
     tiny_folder, cuda_available, cudnn_attention_restored, monkeypatch
 ):
-    """cuDNN builds a plan per new batch shape (seconds-long stalls on a GPU); the other
+    """cuDNN builds a plan per new batch shape (stalls of up to a second on a GPU); the other
     attention kernels stay."""
     with FakeCuda():
         load_model(ModelSpec(model=str(tiny_folder)))
