@@ -30,13 +30,13 @@ from models import ModelSpec, load_model
 pytestmark = pytest.mark.gpu
 
 MIB, GIB = 2**20, 2**30
-PEAK_FACTOR = {"cuda": 2.0, "cpu": 2.0}
+PEAK_FACTOR = {"cuda": 1.5, "cpu": 2.0}
 """The sizer's calibrated prediction of a batch's peak, for shapes warm-up did not run, lies
 within this factor of the measured peak, either way (torch's exact allocator peak on CUDA;
 the resident-set peak on the CPU, which the C allocator blurs). On the CPU three dry runs
 measured 1.667 to 1.677 (predicted over measured) for every held-out shape, so 2 leaves 20% of
-margin. CUDA has no measurement yet: its bound stays at 2 until the check's first GPU run
-records ``*_predicted_over_measured`` (gpu_tests.json) to tighten it to."""
+margin. On an H200 (MiniLM in float16) the first GPU run measured 1.100 for all six shapes:
+the fitted line is exact there and the sizer adds its 10% of margin; 1.5 leaves 36%."""
 HEADROOM = 0.15
 
 # A child that holds memory until its stdin closes.
