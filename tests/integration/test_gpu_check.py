@@ -31,7 +31,7 @@ def test_the_dry_run_passes_and_writes_every_figure(tmp_path):
     assert results["passed"] and results["dry_run"]
     assert results["exit_status"] == {"tests": 0, "storm": 0, "throughput": 0, "workers": 0}
     assert results["machine"]["device"] == "cpu"
-    assert len(results["tests"]) == 3
+    assert len(results["tests"]) == 4
     peaks = results["tests"]["test_measured_peaks_agree_with_the_sizers_prediction"]
     assert any(name.endswith("_predicted_over_measured") for name in peaks)
     (storm,) = results["storm"]["runs"]
