@@ -20,18 +20,21 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from .loadgen import CLIENTS, RunResult, closed_loop
 from .profile import record, thread_cpu_seconds
 from .servers import Replica, start_replica
-from .stages import LOOP_THREAD, parse_raw
+from .stages import LOOP_THREAD, Frame, parse_raw
 from .workload import WorkloadSpec, make_requests
 
 MODEL_THREAD, TOKENIZER_THREAD = "batchfit-model", "batchfit-tokenize"
-IN_FORWARD = "_measured_forward"
-"""The batcher's function around every forward pass, on the model thread."""
+IN_FORWARD = "forward_from_baseline"
+"""The function that calls the model's forward pass on the model thread (after reading the
+memory baseline: the probe's frames below it are not the pass)."""
+PROBES = "batching/probes.py"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +116,7 @@ def measure(
         server[role] = server.get(role, 0.0) + used
     model = [s for s in samples if s.thread.startswith(MODEL_THREAD)]
     total = sum(s.count for s in model)
-    inside = sum(s.count for s in model if any(f.function.endswith(IN_FORWARD) for f in s.frames))
+    inside = sum(s.count for s in model if in_forward(s.frames))
     run = done[0]
     ok = [o for o in run.outcomes if o.status == 200]
     client_cpus, host_busy = (own_after - own_before) / wall, (host_after - host_before) / wall
@@ -125,6 +128,15 @@ def measure(
         cpus=CpuShare(server, client_cpus, host_busy, host_cpus),
         in_forward=inside / total if total else float("nan"),
     )
+
+
+def in_forward(frames: Sequence[Frame]) -> bool:
+    """Whether a model thread's sample (outermost frame first) is inside a forward pass: in
+    what ``IN_FORWARD`` calls, other than the memory probe."""
+    for i, frame in enumerate(frames[:-1]):
+        if frame.function == IN_FORWARD:
+            return frames[i + 1].file != PROBES
+    return False
 
 
 def describe(run: SaturationRun) -> str:
