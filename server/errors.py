@@ -150,6 +150,10 @@ def model_not_found(name: str, served: list[str]) -> ApiError:
     )  # fmt: skip
 
 
+def deadline_exceeded(timeout_s: float) -> ApiError:
+    return ApiError(504, "deadline_exceeded", f"no answer within the deadline of {timeout_s:g}s")
+
+
 def draining(message: str = "this replica is shutting down; retry on another") -> ApiError:
     return ApiError(503, "draining", message, retry_after_s=1)
 

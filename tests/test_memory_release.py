@@ -7,7 +7,7 @@ import ctypes
 import httpx
 from prometheus_client import CollectorRegistry
 
-from batching import release_host_memory
+from batching import MonotonicClock, release_host_memory
 from server.runtime import WorkTracker
 from tests.ci import unavailable
 from tests.fakes import FakeClock, ScriptedModel
@@ -45,6 +45,30 @@ async def test_quiet_means_a_request_ran_and_none_for_quiet_s_after_the_last_one
     with work.request():
         pass
     await asyncio.wait_for(again, TIMEOUT)
+
+
+class CountingClock(MonotonicClock):
+    def __init__(self) -> None:
+        self.waits = 0
+
+    async def wait(self, event: asyncio.Event, deadline: float) -> bool:
+        self.waits += 1
+        return await super().wait(event, deadline)
+
+
+async def test_requests_coming_and_going_do_not_wake_the_quiet_waiter_each_time():
+    clock = CountingClock()
+    work = WorkTracker(CollectorRegistry(), clock=clock)
+    waiter = asyncio.create_task(work.wait_quiet(0.3))
+    for _ in range(200):  # one client's requests, back to back
+        with work.request():
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+    ended_s = clock.now()
+    assert not waiter.done()
+    await asyncio.wait_for(waiter, TIMEOUT)
+    assert clock.now() >= ended_s + 0.3
+    assert clock.waits <= 3  # a sleep or two until quiet, not one per request
 
 
 def test_release_returns_the_free_holes_inside_the_heap():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from models import (
 )
 
 from ..cache import InputCache, stored_value
-from ..errors import ApiError, draining, model_not_found, not_ready
+from ..errors import deadline_exceeded, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
@@ -372,7 +373,8 @@ class Runtime:
         ``ClientDisconnected``. ``dimensions`` cuts each embedding to its first values
         (renormalised when the model normalises). Inputs found in the output cache are
         answered from it, and an input equal to one in flight waits for that one."""
-        with self._admitted(model) as slot:
+        slot = self._admit(model)
+        with self.work.request():
             return await self._infer(
                 slot, inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
                 priority=priority, query=query, prompt=prompt,
@@ -381,17 +383,14 @@ class Runtime:
                 dimensions=dimensions,
             )  # fmt: skip
 
-    @contextlib.contextmanager
-    def _admitted(self, model: str | None) -> Iterator[ModelSlot]:
-        """A request for ``model`` (None: the default) admitted: refused while draining or
-        not ready, counted in the work in progress while it runs."""
+    def _admit(self, model: str | None) -> ModelSlot:
+        """The slot of a request for ``model`` (None: the default), refused while draining
+        or not ready. The caller counts it in ``work.request()`` while it runs."""
         if self.draining:
             raise draining()
         if not self.ready:
             raise not_ready()
-        slot = self.slot(model)
-        with self.work.request():
-            yield slot
+        return self.slot(model)
 
     async def _infer(
         self, slot: ModelSlot, inputs: Sequence[str], *, truncate: bool, timeout_s: float,
@@ -429,7 +428,8 @@ class Runtime:
         """As ``infer``, for inputs already prepared (tokenized) elsewhere: the API processes
         in front of this engine (``server/engine/``). The output cache and the sharing of
         computations in flight apply as in ``infer``: they live here, with the queue."""
-        with self._admitted(model) as slot:
+        slot = self._admit(model)
+        with self.work.request():
             return await self._queue_and_wait(
                 slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
                 trace=trace if trace is not None else RequestTrace(), client=client,
@@ -472,9 +472,7 @@ class Runtime:
             return [future.result() for future in futures], trace.tokens
         wait = RequestWait(
             loop, futures, timeout_s=timeout_s, client=client,
-            deadline_error=ApiError(
-                504, "deadline_exceeded", f"no answer within the deadline of {timeout_s:g}s"
-            ),
+            deadline_error=functools.partial(deadline_exceeded, timeout_s),
         )  # fmt: skip
         disconnected = False
         try:

@@ -6,8 +6,7 @@ A drain waits for this to reach zero; a soak reads the gauges to prove nothing l
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -22,8 +21,10 @@ class WorkTracker:
         self._idle = asyncio.Event()
         self._idle.set()
         self._admitted = asyncio.Event()  # set by every request; cleared by wait_quiet
+        self._never = asyncio.Event()  # wait_quiet's sleep: a wait until its deadline
         self._last_end_s = self._clock.now()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._request = _Request(self)
         Gauge(
             "batchfit_active_infer_requests",
             "Inference requests admitted and not yet answered (a drain waits for 0).",
@@ -49,19 +50,20 @@ class WorkTracker:
         """Read task counts from the running loop."""
         self._loop = asyncio.get_running_loop()
 
-    @contextlib.contextmanager
-    def request(self) -> Iterator[None]:
-        """Count one request from admission to its answer."""
+    def request(self) -> _Request:
+        """Count one request from admission to its answer: ``with work.request(): ...``."""
+        return self._request
+
+    def _begin(self) -> None:
         self.active_requests += 1
         self._idle.clear()
         self._admitted.set()
-        try:
-            yield
-        finally:
-            self.active_requests -= 1
-            if self.active_requests == 0:
-                self._last_end_s = self._clock.now()
-                self._idle.set()
+
+    def _end(self) -> None:
+        self.active_requests -= 1
+        if self.active_requests == 0:
+            self._last_end_s = self._clock.now()
+            self._idle.set()
 
     def track(self, pendings: Sequence[Pending]) -> None:
         for pending in pendings:
@@ -88,16 +90,40 @@ class WorkTracker:
 
     async def wait_quiet(self, quiet_s: float) -> None:
         """Wait until a request has been admitted since the last return, and then none has
-        been in progress for ``quiet_s`` seconds. One waiter at a time."""
+        been in progress for ``quiet_s`` seconds. One waiter at a time.
+
+        It sleeps until ``quiet_s`` after the latest request ended, and only then looks
+        again: requests that come and go meanwhile wake nothing, so a busy replica pays a
+        wake-up or two per ``quiet_s``, not one per request."""
         await self._admitted.wait()
         while True:
-            await self._idle.wait()
-            self._admitted.clear()
-            if not await self._clock.wait(self._admitted, self._last_end_s + quiet_s):
+            if self.active_requests:
+                await self._idle.wait()
+                continue
+            due = self._last_end_s + quiet_s
+            if self._clock.now() >= due:
+                self._admitted.clear()
                 return
+            await self._clock.wait(self._never, due)
 
     def _num_tasks(self) -> int:
         loop = self._loop
         if loop is None or loop.is_closed():
             return 0
         return len(asyncio.all_tasks(loop))
+
+
+class _Request:
+    """``WorkTracker.request()``: one object for every request (it holds no state of its
+    own), entered and left as a plain context manager, without a generator per request."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: WorkTracker) -> None:
+        self._work = work
+
+    def __enter__(self) -> None:
+        self._work._begin()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._work._end()

@@ -29,7 +29,7 @@ class ClientWatch(Protocol):
 
 class RequestWait:
     """Settles ``future`` when every one of ``futures`` (one per input) has its result, or
-    with the first input's error, ``deadline_error`` after ``timeout_s``, or
+    with the first input's error, ``deadline_error()`` after ``timeout_s``, or
     ``ClientDisconnected``."""
 
     __slots__ = ("_remaining", "_timer", "_unsubscribe", "future")
@@ -40,14 +40,14 @@ class RequestWait:
         futures: Sequence[asyncio.Future[Any]],
         *,
         timeout_s: float,
-        deadline_error: Exception,
+        deadline_error: Callable[[], BaseException],
         client: ClientWatch | None = None,
     ) -> None:
         self.future: asyncio.Future[None] = loop.create_future()
         self._remaining = len(futures)
         for future in futures:
             future.add_done_callback(self._item_done)
-        self._timer = loop.call_later(timeout_s, self._settle, deadline_error)
+        self._timer = loop.call_later(timeout_s, self._expire, deadline_error)
         self._unsubscribe = (
             client.subscribe(lambda: self._settle(ClientDisconnected()))
             if client is not None
@@ -70,6 +70,9 @@ class RequestWait:
             self._remaining -= 1
             if self._remaining == 0:
                 self.future.set_result(None)
+
+    def _expire(self, deadline_error: Callable[[], BaseException]) -> None:
+        self._settle(deadline_error())
 
     def _settle(self, error: BaseException) -> None:
         if not self.future.done():
