@@ -31,7 +31,8 @@ def measure(mode: str, rows: int, batch_size: int, seed: int) -> float:
     from transformers import AutoModel, AutoTokenizer
 
     from bench.bulk import make_corpus
-    from models.loading import BUNDLED_MODEL, resolve_model_path
+    from models.loading import resolve_model_path
+    from models.spec import BUNDLED_MODEL
 
     threads = len(os.sched_getaffinity(0))
     lanes, per_lane = lane_shape(threads) if mode == "side" else (1, threads)

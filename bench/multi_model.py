@@ -31,7 +31,8 @@ def save_classifier(folder: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassification
 
-    from models.loading import BUNDLED_MODEL, resolve_model_path
+    from models.loading import resolve_model_path
+    from models.spec import BUNDLED_MODEL
 
     source = resolve_model_path(BUNDLED_MODEL)
     config = AutoConfig.from_pretrained(source)

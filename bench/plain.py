@@ -56,7 +56,8 @@ def load_plain_encoder(
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from models.loading import BUNDLED_MODEL, avoid_per_shape_attention_plans, resolve_model_path
+    from models.loading import avoid_per_shape_attention_plans, resolve_model_path
+    from models.spec import BUNDLED_MODEL
 
     path = resolve_model_path(model or BUNDLED_MODEL)
     avoid_per_shape_attention_plans(torch.device(device))

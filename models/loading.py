@@ -22,42 +22,8 @@ from .description import ModelDescription, convert_hint, describe, step_name
 from .errors import ModelLoadError
 from .postprocess import make_postprocess
 from .quantization import check_quantize, module_bytes, quantize_int8
-from .spec import (
-    BUNDLED_MODEL,
-    DTYPE_NAMES,
-    DTYPES,
-    TASKS,
-    ModelSpec,
-    available_cpus,
-    cpu_threads,
-    omp_num_threads,
-)
+from .spec import BUNDLED_MODEL, DTYPE_NAMES, DTYPES, TASKS, ModelSpec, cpu_threads
 from .text import TextModel
-
-# The names from ``spec.py`` are this module's too, where they were first defined.
-__all__ = [
-    "BUNDLED_MODEL",
-    "DTYPES",
-    "HUB_FILES",
-    "TASKS",
-    "ModelSpec",
-    "architecture_shape",
-    "available_cpus",
-    "avoid_per_shape_attention_plans",
-    "cpu_threads",
-    "describe_outputs",
-    "detect_task",
-    "download",
-    "load_model",
-    "model_max_tokens",
-    "model_name",
-    "omp_num_threads",
-    "resolve_device",
-    "resolve_dtype",
-    "resolve_model_path",
-    "set_cpu_threads",
-    "sliding_window",
-]
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,8 @@ from transformers import (
     XLMRobertaConfig,
 )
 
-from models.loading import BUNDLED_MODEL, resolve_model_path
+from models.loading import resolve_model_path
+from models.spec import BUNDLED_MODEL
 from models.testing import save_tiny_model
 
 MAX_TOKENS = 128

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from models.loading import BUNDLED_MODEL, resolve_model_path
+from models.loading import resolve_model_path
+from models.spec import BUNDLED_MODEL
 
 
 @functools.cache

@@ -15,7 +15,7 @@ from batching.procfs import CpuQuota
 from bench.plain import load_plain_encoder
 from bench.runner import SERVER_CONFIGS, BenchOptions
 from models import ModelSpec, available_cpus, load_model
-from models.loading import cpu_threads, omp_num_threads
+from models.spec import cpu_threads, omp_num_threads
 from models.testing import save_tiny_model
 from server.runtime import startup as startup_module
 from server.runtime import threads

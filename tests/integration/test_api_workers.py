@@ -28,7 +28,8 @@ import torch
 import tritonclient.http as triton
 from transformers import AutoModel, AutoTokenizer
 
-from models.loading import BUNDLED_MODEL, resolve_model_path
+from models.loading import resolve_model_path
+from models.spec import BUNDLED_MODEL
 from tests.fakes import GATE_ENV
 from tests.integration.test_server import SENTENCES, reference  # noqa: F401 (a fixture)
 from tests.rawhttp import send_request

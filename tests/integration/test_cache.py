@@ -16,7 +16,8 @@ import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from models.loading import BUNDLED_MODEL, resolve_model_path
+from models.loading import resolve_model_path
+from models.spec import BUNDLED_MODEL
 from tests.launch import run_nginx
 from tests.servers import run_server
 

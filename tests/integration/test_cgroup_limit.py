@@ -22,7 +22,7 @@ from bench.cgroup_limit import (
     scrape_value,
     send_burst,
 )
-from models.loading import BUNDLED_MODEL
+from models.spec import BUNDLED_MODEL
 from tests.cgroups import ChildCgroup, child_cgroup
 from tests.reference import cosine, reference_embeddings
 from tests.servers import ServerProcess, run_server

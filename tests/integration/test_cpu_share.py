@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from models.loading import available_cpus
+from models.spec import available_cpus
 from server.runtime.threads import host_capacity
 from tests.busy_threads import busy_threads
 from tests.cgroups import child_cgroup

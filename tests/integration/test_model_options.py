@@ -9,7 +9,7 @@ import pytest
 import tritonclient.http as triton
 
 from models import ModelSpec, load_model
-from models.loading import BUNDLED_MODEL
+from models.spec import BUNDLED_MODEL
 from tests.integration.test_server import SENTENCES, cosine, reference  # noqa: F401 (fixture)
 from tests.servers import run_server
 from tests.test_model_options import MIN_COSINE

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from models.loading import BUNDLED_MODEL
+from models.spec import BUNDLED_MODEL
 from models.testing import save_tiny_model
 from tests.integration.test_real_oom import metric
 from tests.reference import cosine, reference_embeddings

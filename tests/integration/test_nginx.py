@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from models.loading import BUNDLED_MODEL
+from models.spec import BUNDLED_MODEL
 from models.testing import save_tiny_model
 from server import Settings, create_app
 from server.public_api import public_api_routes

@@ -15,7 +15,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from models.loading import BUNDLED_MODEL
+from models.spec import BUNDLED_MODEL
 from tests.integration.test_server import MODEL, SENTENCES, cosine, metric
 from tests.servers import run_server, when_queue_full
 

@@ -15,7 +15,7 @@ import re
 import httpx
 import pytest
 
-from models.loading import BUNDLED_MODEL
+from models.spec import BUNDLED_MODEL
 from tests.reference import cosine, reference_embeddings
 from tests.servers import run_server
 

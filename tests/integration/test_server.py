@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from models.loading import BUNDLED_MODEL, resolve_model_path
+from models.loading import resolve_model_path
+from models.spec import BUNDLED_MODEL
 from tests.busy_threads import held_threads
 from tests.rawhttp import (
     CountingReader,
