@@ -21,11 +21,10 @@ import os
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from .comparisons import NOOP_MODEL
 from .profile import BODY, thread_cpu_seconds
-from .servers import Replica, start_replica
+from .servers import Replica, child_pids, process_cpu_seconds, start_replica
 from .wrk import run_wrk
 
 
@@ -67,11 +66,10 @@ def cpu_split(pid: int) -> CpuSplit:
     threads = thread_cpu_seconds(pid)
     loop_s = threads.pop(pid, 0.0)
     children = {}
-    with contextlib.suppress(OSError, ValueError):
-        listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        for child in map(int, listed):
-            with contextlib.suppress(OSError):  # a child that has exited meanwhile
-                children[child] = sum(thread_cpu_seconds(child).values())
+    for child in child_pids(pid):
+        seconds = process_cpu_seconds(child)
+        if seconds is not None:  # not a child that has exited meanwhile
+            children[child] = seconds
     return CpuSplit(loop_s, sum(threads.values()), children)
 
 

@@ -54,15 +54,11 @@ class Replica:
     def cpu_seconds(self) -> float | None:
         """User + system CPU time of the replica process so far, with its API processes'
         (``--api-workers``: its children) while they run."""
-        total = _process_cpu_seconds(self.process.pid)
+        total = process_cpu_seconds(self.process.pid)
         if total is None:
             return None
-        try:
-            children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
-            pids = [int(pid) for pid in children.read_text().split()]
-        except (OSError, ValueError):
-            pids = []
-        return total + sum(_process_cpu_seconds(pid) or 0.0 for pid in pids)
+        children = child_pids(self.process.pid)
+        return total + sum(process_cpu_seconds(pid) or 0.0 for pid in children)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -196,7 +192,17 @@ def start_baseline(
         yield replicas[0]
 
 
-def _process_cpu_seconds(pid: int) -> float | None:
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started that still run (none where it has exited)."""
+    try:
+        listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [int(child) for child in listed]
+    except (OSError, ValueError):
+        return []
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process ``pid`` so far, every thread (None once gone)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
