@@ -8,6 +8,11 @@ hand-off to the model thread and back and the runtime's bookkeeping, with warm c
 replica adds on top (HTTP, validation, the answer's JSON) is ``bench.layers``'s and
 ``bench.profile``'s. ``--wait-s`` sleeps before the timed calls, to attach a profiler
 (``py-spy record --pid PID``, the pid is printed).
+
+``--bundled`` serves the bundled model instead and sets each call against the same input run
+straight on the runtime's own model thread (tokenized inline, one hand-off there and back,
+the model's forward pass): what the runtime adds around a real forward pass, the two taking
+turns, with ``--gap-ms`` of quiet before each call as between one client's requests.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -67,12 +73,80 @@ async def lone_calls(calls: int, *, warm_up: int = 500, wait_s: float = 0.0) -> 
     return LoneCalls(calls, wall / calls, cpu / calls, batches)
 
 
+@dataclass(frozen=True, slots=True)
+class AgainstDirect:
+    runtime_s: list[float]
+    """Each call's wall time through ``Runtime.infer``."""
+    direct_s: list[float]
+    """The same inputs' wall times straight on the model thread."""
+
+    def describe(self) -> str:
+        runtime, direct = statistics.median(self.runtime_s), statistics.median(self.direct_s)
+        extra = statistics.mean(self.runtime_s) - statistics.mean(self.direct_s)
+        return (
+            f"{len(self.runtime_s)} lone calls of the bundled model: p50 {runtime * 1e3:.2f} ms "
+            f"through the runtime, {direct * 1e3:.2f} ms straight on its model thread "
+            f"({runtime / direct:.3f}); the runtime adds {extra * 1e6:.0f} us a call on average"
+        )
+
+
+async def against_direct(calls: int, *, gap_s: float = 0.003, warm_up: int = 30) -> AgainstDirect:
+    from models.spec import BUNDLED_MODEL
+    from server.heap import freeze_startup_heap
+    from server.runtime import Runtime
+    from server.settings import Settings
+
+    from .workload import WorkloadSpec, make_requests
+
+    settings = Settings(model=(BUNDLED_MODEL,), cache_bytes=0)
+    runtime = Runtime(settings, registry=CollectorRegistry(), on_ready=freeze_startup_heap)
+    await runtime.start()
+    try:
+        if runtime.startup_error is not None:
+            raise runtime.startup_error
+        model = runtime.slots[next(iter(runtime.slots))].model
+        assert model is not None  # loaded
+
+        async def through_runtime(text: str) -> float:
+            started = time.perf_counter()
+            await runtime.infer([text], truncate=True, timeout_s=60, request_id="lone")
+            return time.perf_counter() - started
+
+        async def direct(text: str) -> float:
+            started = time.perf_counter()
+            items = model.prepare([text], truncate=True)
+            await runtime.model_thread.call(model.forward, items)
+            return time.perf_counter() - started
+
+        texts = [r[0] for r in make_requests(WorkloadSpec(), warm_up + calls, single_input=True)]
+        for text in texts[:warm_up]:
+            await through_runtime(text)
+            await direct(text)
+        ours: list[float] = []
+        theirs: list[float] = []
+        for i, text in enumerate(texts[warm_up:]):
+            # Which goes first alternates, so that neither always follows the other's pass.
+            for run, times in ((through_runtime, ours), (direct, theirs))[:: 1 if i % 2 else -1]:
+                await asyncio.sleep(gap_s)
+                times.append(await run(text))
+    finally:
+        await runtime.stop()
+    return AgainstDirect(ours, theirs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.lone", description=__doc__)
-    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--calls", type=int, help="default: 20000, or 300 with --bundled")
     parser.add_argument("--wait-s", type=float, default=0.0)
+    parser.add_argument("--bundled", action="store_true",
+                        help="the bundled model, against its model thread directly")  # fmt: skip
+    parser.add_argument("--gap-ms", type=float, default=3.0)
     args = parser.parse_args(argv)
-    result = uvloop.run(lone_calls(args.calls, wait_s=args.wait_s))
+    if args.bundled:
+        calls = args.calls or 300
+        print(uvloop.run(against_direct(calls, gap_s=args.gap_ms / 1000)).describe())
+        return 0
+    result = uvloop.run(lone_calls(args.calls or 20000, wait_s=args.wait_s))
     print(
         f"{result.calls} lone calls: {result.wall_s * 1e6:.0f} us each, "
         f"{result.loop_cpu_s * 1e6:.0f} us of the event loop's CPU"
