@@ -331,6 +331,10 @@ def limit_address_space(
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+SERVING_MMAP_THRESHOLD = 32 * 2**20
+"""Blocks up to this size come from the heap while serving: where glibc's own threshold
+stops rising as a program frees large blocks."""
+SERVING_TRIM_THRESHOLD = 4 * 2**20
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -342,20 +346,27 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def tune_host_allocator(*, measuring: bool) -> bool:
-    """Make glibc's malloc hand large blocks back to the kernel so RSS peaks measure a batch.
+    """Set glibc malloc's thresholds: while ``measuring``, so that RSS peaks measure a batch;
+    afterwards, so that serving is not slowed by page faults.
 
     While ``measuring`` (warm-up calibration), blocks of 1 MiB and more are mmapped and
-    unmapped on free, so VmHWM minus the baseline is the batch's real footprint. Afterwards
-    both thresholds are 4 MiB: unmapping every 1 MiB block costs a page fault per page on the
-    next batch, while at glibc's own steady state (32 MiB mmap, 64 MiB trim) batches of many
-    shapes fragment the heap (a soak's RSS kept climbing, +130 MiB over 6000 requests, where
-    at 4 MiB it levelled off 70 MiB up, at the same throughput). Returns False where there is
-    no glibc (nothing changed).
+    unmapped on free, and the heap's top is trimmed past 1 MiB, so VmHWM minus the baseline
+    is the batch's real footprint. Afterwards blocks up to ``SERVING_MMAP_THRESHOLD`` (32
+    MiB) come from the heap and are reused by the next batch, where every
+    mmapped block costs a page fault per page each time: a forward pass's activations are
+    several MiB each at a few thousand padded tokens (the bundled model's feed-forward
+    output at 4096 tokens is 24 MiB). The trim threshold stays at 4 MiB: at glibc's own
+    steady state (32 MiB mmap, 64 MiB trim) a soak's RSS kept climbing, +130 MiB over 6000
+    requests, where with both at 4 MiB it levelled off 70 MiB up (docs/memory.md has the
+    figures of this setting against both at 4 MiB). Returns False where there is no glibc
+    (nothing changed).
     """
     libc = _glibc()
     if libc is None:
         return False
-    mmap_threshold, trim_threshold = (2**20, 2**20) if measuring else (4 * 2**20, 4 * 2**20)
+    mmap_threshold, trim_threshold = (
+        (2**20, 2**20) if measuring else (SERVING_MMAP_THRESHOLD, SERVING_TRIM_THRESHOLD)
+    )
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
         libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     )
