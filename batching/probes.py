@@ -332,8 +332,11 @@ def limit_address_space(
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 SERVING_MMAP_THRESHOLD = 32 * 2**20
-"""Blocks up to this size come from the heap while serving: where glibc's own threshold
-stops rising as a program frees large blocks."""
+"""Blocks up to this size come from the heap while serving where only the host's memory
+bounds the process: where glibc's own threshold stops rising as a program frees large
+blocks."""
+CONFINED_MMAP_THRESHOLD = 4 * 2**20
+"""The same under a limit of the process's own (a cgroup's, the address-space limit)."""
 SERVING_TRIM_THRESHOLD = 4 * 2**20
 
 
@@ -345,31 +348,44 @@ def _glibc() -> ctypes.CDLL | None:
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
-def tune_host_allocator(*, measuring: bool) -> bool:
+def tune_host_allocator(*, measuring: bool, reading: MemoryReading | None = None) -> bool:
     """Set glibc malloc's thresholds: while ``measuring``, so that RSS peaks measure a batch;
-    afterwards, so that serving is not slowed by page faults.
+    afterwards, so that serving pays few page faults where memory allows (``reading``, the
+    latest: ``serving_mmap_threshold``).
 
     While ``measuring`` (warm-up calibration), blocks of 1 MiB and more are mmapped and
     unmapped on free, and the heap's top is trimmed past 1 MiB, so VmHWM minus the baseline
-    is the batch's real footprint. Afterwards blocks up to ``SERVING_MMAP_THRESHOLD`` (32
-    MiB) come from the heap and are reused by the next batch, where every
-    mmapped block costs a page fault per page each time: a forward pass's activations are
-    several MiB each at a few thousand padded tokens (the bundled model's feed-forward
-    output at 4096 tokens is 24 MiB). The trim threshold stays at 4 MiB: at glibc's own
-    steady state (32 MiB mmap, 64 MiB trim) a soak's RSS kept climbing, +130 MiB over 6000
-    requests, where with both at 4 MiB it levelled off 70 MiB up (docs/memory.md has the
-    figures of this setting against both at 4 MiB). Returns False where there is no glibc
-    (nothing changed).
+    is the batch's real footprint. Afterwards the heap's top goes back to the kernel past 4
+    MiB: at glibc's own steady state (32 MiB mmap, 64 MiB trim) a soak's RSS kept climbing,
+    +130 MiB over 6000 requests, where with both at 4 MiB it levelled off 70 MiB up.
+    Returns False where there is no glibc (nothing changed).
     """
     libc = _glibc()
     if libc is None:
         return False
     mmap_threshold, trim_threshold = (
-        (2**20, 2**20) if measuring else (SERVING_MMAP_THRESHOLD, SERVING_TRIM_THRESHOLD)
+        (2**20, 2**20) if measuring else (serving_mmap_threshold(reading), SERVING_TRIM_THRESHOLD)
     )
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
         libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     )
+
+
+def serving_mmap_threshold(reading: MemoryReading | None) -> int:
+    """The largest block served from the heap while serving.
+
+    Where only the host's memory bounds the process, ``SERVING_MMAP_THRESHOLD`` (32 MiB): a
+    mapped block costs a page fault per page every time a batch allocates it, and a forward
+    pass's activations are several MiB each (the bundled model's feed-forward output at
+    4096 padded tokens is 24 MiB). Under a limit of its own (``reading.enforced``: a
+    cgroup's, the address-space limit) or where it is unknown, ``CONFINED_MMAP_THRESHOLD``
+    (4 MiB): a heap that cannot fit a large block in the holes earlier batches left grows
+    instead, and what it holds counts against the limit, past what the sizer predicts
+    (docs/memory.md has both sides' figures)."""
+    enforced = reading.enforced if reading is not None else None
+    if enforced is not None and enforced.source == "host":
+        return SERVING_MMAP_THRESHOLD
+    return CONFINED_MMAP_THRESHOLD
 
 
 def release_host_memory(proc: Path = Path("/proc")) -> int | None:

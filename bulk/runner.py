@@ -254,7 +254,7 @@ class Runner:
             report = warm_up.finish(time.perf_counter() - started)
         finally:
             if on_host:
-                tune_host_allocator(measuring=False)
+                tune_host_allocator(measuring=False, reading=self.read())
         log.info("warm-up: %s in %.1fs", report.describe(), report.elapsed_s)
         return report
 

@@ -113,7 +113,7 @@ class ModelSlot:
             self.report = await self._calibrate(batcher)
         finally:
             if on_host:
-                tune_host_allocator(measuring=False)
+                tune_host_allocator(measuring=False, reading=batcher.memory.latest())
         log.info(
             "warm-up of %s: %s in %.1fs%s%s", self.name, self.report.describe(),
             self.report.elapsed_s,
