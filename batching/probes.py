@@ -333,7 +333,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 SERVING_MMAP_THRESHOLD = 32 * 2**20
 """Blocks up to this size come from the heap while serving where only the host's memory
-bounds the process: where glibc's own threshold stops rising as a program frees large
+bounds the process: the most glibc's own threshold rises to as a program frees large
 blocks."""
 CONFINED_MMAP_THRESHOLD = 4 * 2**20
 """The same under a limit of the process's own (a cgroup's, the address-space limit)."""

@@ -56,10 +56,15 @@ class Launch:
         return self.replicas[name][0].removeprefix("http://")
 
 
-def wait_for_output(launch: Launch, pattern: str, timeout_s: float) -> re.Match:
+def wait_for_output(
+    launch: Launch, pattern: str, timeout_s: float, *, errors: bool = False
+) -> re.Match:
+    """The first match of ``pattern`` in what ``batchfit up`` wrote to stdout (``errors``:
+    to stderr, where its log goes), once there."""
+    read = launch.errors if errors else launch.output
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        match = re.search(pattern, launch.output(), re.MULTILINE)
+        match = re.search(pattern, read(), re.MULTILINE)
         if match:
             return match
         if launch.process.poll() is not None:
