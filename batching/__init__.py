@@ -4,6 +4,7 @@ Never imports a concrete model: the batcher drives anything with a ``forward`` c
 """
 
 from .affinity import at_home
+from .allocator import release_host_memory, tune_host_allocator
 from .batcher import Batcher, BatcherConfig, Lane
 from .clock import Clock, MonotonicClock
 from .composite import CompositeProbe, probes_for_device
@@ -47,8 +48,6 @@ from .probes import (
     limit_address_space,
     limit_kills,
     refusal_room,
-    release_host_memory,
-    tune_host_allocator,
 )
 from .queue import Pending, RequestQueue
 from .sizer import (

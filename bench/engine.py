@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from prometheus_client import CollectorRegistry
 
+from .inprocess import started_runtime
 from .workload import WorkloadSpec, make_requests
 
 LIMIT_REQUESTS = 400
@@ -106,16 +106,8 @@ async def drive(
     """Run the clients for ``warm_up_s``, then record ``duration_s``; the run and every
     recorded batch's items."""
     from models.spec import BUNDLED_MODEL
-    from server.heap import freeze_startup_heap
-    from server.runtime import Runtime
-    from server.settings import Settings
 
-    settings = Settings(model=(BUNDLED_MODEL,), cache_bytes=0, deduplicate=False)
-    runtime = Runtime(settings, registry=CollectorRegistry(), on_ready=freeze_startup_heap)
-    await runtime.start()
-    try:
-        if runtime.startup_error is not None:
-            raise runtime.startup_error
+    async with started_runtime(BUNDLED_MODEL, cache_bytes=0, deduplicate=False) as runtime:
         assert runtime.batcher is not None  # started
         (lane,) = runtime.batcher.lanes.values()
         recorder = lane.forward = _Recorder(lane.forward)
@@ -144,8 +136,6 @@ async def drive(
         finally:
             stop = True
             await asyncio.gather(*clients)
-    finally:
-        await runtime.stop()
     cpu_s = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
     lengths = [[item.cost for item in batch] for batch in recorder.batches]
     run = EngineRun(concurrency, wall, inputs, lengths, cpu_s / wall, recorder.forward_s, rss)

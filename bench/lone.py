@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 
 import uvloop
-from prometheus_client import CollectorRegistry
 
 from .comparisons import NOOP_MODEL
+from .inprocess import started_runtime
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +42,7 @@ class LoneCalls:
 
 
 async def lone_calls(calls: int, *, warm_up: int = 500, wait_s: float = 0.0) -> LoneCalls:
-    from server.heap import freeze_startup_heap
-    from server.runtime import Runtime
-    from server.settings import Settings
-
-    settings = Settings(model=(NOOP_MODEL,), cache_bytes=0)
-    runtime = Runtime(settings, registry=CollectorRegistry(), on_ready=freeze_startup_heap)
-    await runtime.start()
-    try:
-        if runtime.startup_error is not None:
-            raise runtime.startup_error
+    async with started_runtime(NOOP_MODEL, cache_bytes=0) as runtime:
 
         async def one() -> None:
             await runtime.infer(["hello world"], truncate=True, timeout_s=10, request_id="lone")
@@ -68,8 +59,6 @@ async def lone_calls(calls: int, *, warm_up: int = 500, wait_s: float = 0.0) -> 
             await one()
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
         batches = runtime.batcher.num_batches - batches
-    finally:
-        await runtime.stop()
     return LoneCalls(calls, wall / calls, cpu / calls, batches)
 
 
@@ -92,18 +81,10 @@ class AgainstDirect:
 
 async def against_direct(calls: int, *, gap_s: float = 0.003, warm_up: int = 30) -> AgainstDirect:
     from models.spec import BUNDLED_MODEL
-    from server.heap import freeze_startup_heap
-    from server.runtime import Runtime
-    from server.settings import Settings
 
     from .workload import WorkloadSpec, make_requests
 
-    settings = Settings(model=(BUNDLED_MODEL,), cache_bytes=0)
-    runtime = Runtime(settings, registry=CollectorRegistry(), on_ready=freeze_startup_heap)
-    await runtime.start()
-    try:
-        if runtime.startup_error is not None:
-            raise runtime.startup_error
+    async with started_runtime(BUNDLED_MODEL, cache_bytes=0) as runtime:
         model = runtime.slots[next(iter(runtime.slots))].model
         assert model is not None  # loaded
 
@@ -129,8 +110,6 @@ async def against_direct(calls: int, *, gap_s: float = 0.003, warm_up: int = 30)
             for run, times in ((through_runtime, ours), (direct, theirs))[:: 1 if i % 2 else -1]:
                 await asyncio.sleep(gap_s)
                 times.append(await run(text))
-    finally:
-        await runtime.stop()
     return AgainstDirect(ours, theirs)
 
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # In a process of its own: the thresholds are the whole process's.
 SCRIPT = """
 import ctypes
-from batching.probes import MemoryLimit, MemoryReading, tune_host_allocator
+from batching import MemoryLimit, MemoryReading, tune_host_allocator
 
 def bound_by(source):
     return MemoryReading(enforced=MemoryLimit(source, 2**34, "test"))
