@@ -324,3 +324,47 @@ def test_access_log_has_one_json_line_per_request_and_no_text(server):
     assert sum(entry["batch_sizes"]) == after[1] - before[1] == len(TEXTS)
     assert 0 <= entry["queue_wait_s"] <= entry["duration_s"]
     assert entry["cache_hits"] == 0
+
+
+def test_no_time_label_overlaps_another_across_a_new_minute_day_or_year(tmp_path):
+    # The x axis's labels, over windows from 10 s to three days, each placed so that a new year
+    # (and so a new day, hour and minute) begins just after the window's first tick or further
+    # in. Wall-clock time decides where such a change falls in a live window, so every case is
+    # drawn here rather than left to the time of the run.
+    require_chromium()
+    samples = [{"t": time.time() - 10 + i, "requests_per_s": 1.0} for i in range(10)]
+    with static_status_page(samples) as url, open_page(tmp_path) as page:
+        page.record_canvas_text()
+        page.navigate(f"{url}/status")
+        page.wait_for("window.batchfitStatus && window.batchfitStatus.samples.length === 10")
+        drawn = page.evaluate(
+            """(async () => {
+              const painted = () => new Promise((done) => setTimeout(done, 0));
+              const newYear = new Date(new Date().getFullYear() + 1, 0, 1).getTime() / 1000;
+              const found = [];
+              for (const span of [10, 60, 300, 3600, 6 * 3600, 3 * 86400])
+                for (const before of [0.01, 0.04, 0.1, 0.3, 0.6]) {
+                  const start = newYear - before * span;
+                  const xs = Array.from({length: 30}, (_, i) => start + span * i / 29);
+                  for (const [name, chart] of Object.entries(window.batchfitStatus.charts)) {
+                    chart.setData([xs, ...chart.batchfitSeries.map((_, j) =>
+                      xs.map((_, i) => (j + 1) * (1 + i)))]);
+                    await painted();
+                    // The page's own poll may have drawn its samples since: left out, not failed.
+                    const ours = chart.data[0][0] === start;
+                    const top = chart.bbox.top + chart.bbox.height;  // the x axis is below this
+                    const boxes = window.canvasTextBoxes(chart.ctx.canvas);
+                    found.push({name, span, before, ours, boxes,
+                                labels: boxes.filter((b) => b.top >= top).map((b) => b.text)});
+                  }
+                }
+              return found;
+            })()"""
+        )
+        errors = page.errors()
+    assert errors == []
+    ours = [d for d in drawn if d["ours"]]
+    assert len(drawn) == 6 * 5 * 4 and len(ours) >= 100, len(ours)
+    assert all(len(d["labels"]) >= 2 for d in ours), [(d["span"], d["labels"]) for d in ours]
+    clashes = [(d["name"], d["span"], d["before"], overlapping(d["boxes"])) for d in ours]
+    assert [clash for clash in clashes if clash[3]] == [], str([c for c in clashes if c[3]])

@@ -36,6 +36,30 @@
     return Math.ceil(axis.ticks.size + axis.gap + widest / devicePixelRatio);
   }
 
+  // The x axis's labels: one line each, as wide as "00:00:00" at most, with the detail the tick
+  // spacing needs; with ticks an hour or more apart, midnight's names the new day. uPlot's default adds the date (and the hour) under a tick where a new day (or
+  // hour) begins, a second line wide enough to run into its neighbour when the change falls
+  // just after the first tick.
+  const pad2 = (n) => String(n).padStart(2, "0");
+  const MONTHS = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+
+  function timeLabels(self, splits, axisIdx, foundSpace, foundIncr) {
+    return splits.map((t) => {
+      const d = new Date(t * 1000);
+      const hm = pad2(d.getHours()) + ":" + pad2(d.getMinutes());
+      if (foundIncr < 60) return hm + ":" + pad2(d.getSeconds());
+      const midnight = d.getHours() === 0 && d.getMinutes() === 0;
+      if (foundIncr < 3600 || (foundIncr < 86400 && !midnight)) return hm;
+      return MONTHS[d.getMonth()] + " " + d.getDate();  // a day's first tick names the day
+    });
+  }
+
+  // Room for the widest label of timeLabels, with a gap between neighbours.
+  function timeSpace(self, axisIdx) {
+    self.ctx.font = self.axes[axisIdx].font[0];
+    return Math.ceil(self.ctx.measureText("00:00:00").width / devicePixelRatio) + 24;
+  }
+
   function makeChart(id, title, series, axes) {
     const el = document.getElementById(id);
     const opts = {
@@ -47,7 +71,7 @@
         label: s.label, stroke: s.color, width: 2, scale: s.scale, spanGaps: false,
         points: { show: false },
       }))),
-      axes: [{}].concat(axes.map((axis) => Object.assign({ size: axisSize }, axis))),
+      axes: [{ values: timeLabels, space: timeSpace }].concat(axes.map((axis) => Object.assign({ size: axisSize }, axis))),
       // uPlot's automatic padding is 0 above the plot while every y axis is hidden (no data in
       // the window) and 17 px once one shows: a plot whose height changes while uPlot sizes
       // the axes can end up drawing numbers wider than the space the axis was laid out with.
