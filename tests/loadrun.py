@@ -6,7 +6,6 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +42,7 @@ class LoadRun:
 
 async def load_run(
     url: str, *, requests: int, clients: int, prefix: str, inputs_per_request: int = 1,
-    run: LoadRun | None = None, on_progress: Callable[[LoadRun], None] | None = None,
+    run: LoadRun | None = None,
 ) -> LoadRun:  # fmt: skip
     """POST /v1/infer ``requests`` times from ``clients`` concurrent clients; every request has
     its own X-Request-ID (``prefix-N``) so it can be found in Nginx's access log."""
@@ -68,8 +67,6 @@ async def load_run(
                 outcome = Outcome(request_id, 0, repr(exc))
             del run.in_flight[request_id]
             run.outcomes.append(outcome)
-            if on_progress is not None:
-                on_progress(run)
 
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(clients)))
