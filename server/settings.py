@@ -467,6 +467,22 @@ class LauncherSettings(BaseSettings):
         description="A replica that stays up this long is healthy again: its next restart "
         "waits restart_backoff_s again.",
     )
+    liveness_period_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often a ready replica's /health/live is asked whether it still "
+        "answers (as Kubernetes' liveness probe does).",
+    )
+    liveness_timeout_s: float = Field(
+        3.0, gt=0, description="How long one /health/live question waits for its answer."
+    )
+    liveness_failures: int = Field(
+        3,
+        ge=0,
+        description="Unanswered /health/live questions in a row after which a hung replica "
+        "(alive, but not answering) is killed with SIGKILL, then restarted like one that "
+        "died, so that Nginx retries its requests on the others; 0 never asks.",
+    )
 
     @model_validator(mode="after")
     def _check_replica_ports(self) -> LauncherSettings:

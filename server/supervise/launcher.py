@@ -61,6 +61,8 @@ class Child:
     backoff_s: float = 0.0  # the wait before the next restart; 0 until the first death
     restart_at_s: float | None = None  # set while dead and waiting to be restarted
     ready: bool = False
+    next_liveness_s: float = 0.0  # when /health/live is asked next (while ready)
+    unanswered: int = 0  # /health/live questions in a row without a 200
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -373,6 +375,8 @@ class Launcher:
                         child.ready = True
                         self._say(f"{child.name}: ready again (pid {child.process.pid}, "
                                   f"restart {child.num_restarts})")  # fmt: skip
+            else:
+                self._check_liveness(child, client, now)
             return
         if child.restart_at_s is not None:
             if now >= child.restart_at_s:
@@ -380,6 +384,7 @@ class Launcher:
             return
         # Just found dead.
         child.ready = False
+        child.unanswered, child.next_liveness_s = 0, 0.0
         uptime_s = now - child.started_s
         how = describe_exit(child.process.returncode)
         if not self.settings.restart:
@@ -397,6 +402,36 @@ class Launcher:
                     "restarting it in %.1fs. Its log: %s\n%s", child.name, child.process.pid,
                     how, uptime_s, child.backoff_s, child.log_path,
                     child.log_tail(10))  # fmt: skip
+
+    def _check_liveness(self, child: Child, client: httpx.Client, now: float) -> None:
+        """Ask a ready replica's /health/live every ``liveness_period_s``; after
+        ``liveness_failures`` questions in a row without a 200, kill it (SIGKILL: a hung event
+        loop runs no SIGTERM handler). The next look finds it dead and restarts it; Nginx
+        retries the requests it held (their connections are reset) on the others."""
+        settings = self.settings
+        if not settings.liveness_failures or now < child.next_liveness_s:
+            return
+        url = f"{child.url}/health/live"
+        try:
+            status = client.get(url, timeout=settings.liveness_timeout_s).status_code
+            problem = None if status == 200 else f"answered {status}"
+        except httpx.TimeoutException:
+            problem = f"did not answer within {settings.liveness_timeout_s:g}s"
+        except httpx.TransportError as exc:
+            problem = f"failed: {exc!r}"
+        child.next_liveness_s = time.monotonic() + settings.liveness_period_s
+        if problem is None:
+            child.unanswered = 0
+            return
+        child.unanswered += 1
+        log.warning("%s (pid %d): /health/live %s (%d in a row of %d allowed)", child.name,
+                    child.process.pid, problem, child.unanswered,
+                    settings.liveness_failures)  # fmt: skip
+        if child.unanswered >= settings.liveness_failures and child.alive():
+            log.error("%s (pid %d) is alive but does not answer /health/live; killing it "
+                      "(SIGKILL)", child.name, child.process.pid)  # fmt: skip
+            with contextlib.suppress(ProcessLookupError):
+                child.process.kill()
 
     def _restart(self, child: Child) -> None:
         child.num_restarts += 1

@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import signal
+import time
 
 import httpx
 import pytest
@@ -135,6 +136,42 @@ def test_a_killed_replica_is_restarted_while_nginx_serves_from_the_other(tmp_pat
     assert re.search(r"stopped replica-0 \(pid \d+, exit code 0\)", output)
     assert re.search(r"stopped nginx \(pid \d+, exit code 0\)", output)
     assert f"logs kept in {cluster.workdir.resolve()}" in output
+
+
+def test_a_hung_replica_is_killed_and_restarted_and_its_requests_answered(tmp_path):
+    # Frozen (SIGSTOP): alive, its port still accepting connections, nothing answered. Nginx
+    # never retries on a timeout, so the requests it holds wait until the launcher kills it.
+    with run_launcher(
+        tmp_path, "--max-batch-size", "4", "--restart-backoff-s", "0.5",
+        "--liveness-period-s", "0.5", "--liveness-timeout-s", "1", "--liveness-failures", "2",
+        replicas=2,
+    ) as cluster:  # fmt: skip
+        _, victim_pid = cluster.replicas[VICTIM]
+        victim = cluster.address(VICTIM)
+        os.kill(victim_pid, signal.SIGSTOP)
+        started = time.monotonic()
+        run = asyncio.run(load_run(cluster.url, requests=40, clients=4, prefix="hung"))
+        took_s = time.monotonic() - started
+        match = wait_for_output(cluster, rf"^{VICTIM}: ready again \(pid (\d+), restart 1\)",
+                                timeout_s=120)  # fmt: skip
+        new_pid = int(match.group(1))
+        ready = httpx.get(f"{cluster.replicas[VICTIM][0]}/health/ready", timeout=10)
+        entries = access_log(cluster.access_log_path, "hung", expect=40)
+    assert run.failures == [], run.failures[:5]
+    assert len(entries) == 40 and all(e["status"] == 200 for e in entries.values())
+    # Some requests went to the frozen replica and were answered by the other once it died.
+    held = [e for e in entries.values() if e["upstream_addr"].startswith(victim + ", ")]
+    assert held and all(served_by(e) != victim for e in held), held
+    assert took_s < 30, took_s  # two questions unanswered, not the clients' 60 s timeout
+    assert new_pid != victim_pid and ready.status_code == 200
+    errors = cluster.errors()
+    pid = rf"{VICTIM} \(pid {victim_pid}\)"
+    assert re.search(rf"{pid}: /health/live did not answer within 1s \(1 in a row of 2 allowed\)",
+                     errors)  # fmt: skip
+    assert re.search(rf"{pid} is alive but does not answer /health/live; killing it", errors)
+    assert re.search(rf"{pid} exited with -9 \(killed by SIGKILL\b", errors)
+    print(f"\nhung replica: {len(held)} requests held by it, answered by the other after the "
+          f"kill; the run took {took_s:.1f}s")  # fmt: skip
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
