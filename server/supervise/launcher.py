@@ -424,7 +424,7 @@ class Launcher:
             child.unanswered = 0
             return
         child.unanswered += 1
-        log.warning("%s (pid %d): /health/live %s (%d in a row of %d allowed)", child.name,
+        log.warning("%s (pid %d): /health/live %s (%d in a row; killed at %d)", child.name,
                     child.process.pid, problem, child.unanswered,
                     settings.liveness_failures)  # fmt: skip
         if child.unanswered >= settings.liveness_failures and child.alive():

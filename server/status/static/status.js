@@ -37,9 +37,10 @@
   }
 
   // The x axis's labels: one line each, as wide as "00:00:00" at most, with the detail the tick
-  // spacing needs; with ticks an hour or more apart, midnight's names the new day. uPlot's default adds the date (and the hour) under a tick where a new day (or
-  // hour) begins, a second line wide enough to run into its neighbour when the change falls
-  // just after the first tick.
+  // spacing needs; with ticks an hour or more apart, midnight's names the new day. uPlot's
+  // default adds the date (and the hour) under a tick where a new day (or hour) begins, a
+  // second line wide enough to run into its neighbour when the change falls just after the
+  // first tick.
   const pad2 = (n) => String(n).padStart(2, "0");
   const MONTHS = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
 
@@ -71,7 +72,8 @@
         label: s.label, stroke: s.color, width: 2, scale: s.scale, spanGaps: false,
         points: { show: false },
       }))),
-      axes: [{ values: timeLabels, space: timeSpace }].concat(axes.map((axis) => Object.assign({ size: axisSize }, axis))),
+      axes: [{ values: timeLabels, space: timeSpace }]
+        .concat(axes.map((axis) => Object.assign({ size: axisSize }, axis))),
       // uPlot's automatic padding is 0 above the plot while every y axis is hidden (no data in
       // the window) and 17 px once one shows: a plot whose height changes while uPlot sizes
       // the axes can end up drawing numbers wider than the space the axis was laid out with.
