@@ -219,9 +219,16 @@ async def list_models(request: Request) -> Response:
     return _json({"models": [slot.card() for slot in runtime.slots.values()]})
 
 
-@router.get("/health/live", response_model=Status)
-async def live() -> Response:
-    """Answers whenever the event loop runs: never queued behind inference."""
+@router.get(
+    "/health/live", response_model=Status,
+    responses=_error_responses({503: "Hung: the engine process (--api-workers) is silent"}),
+)  # fmt: skip
+async def live(request: Request) -> Response:
+    """Answers whenever the event loop runs, never queued behind inference; 503 where the
+    replica's engine process (``--api-workers``) has stopped answering this one."""
+    problem = _runtime(request).liveness_problem()
+    if problem is not None:
+        return error_response(request, problem)
     return _json({"status": "live"})
 
 

@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,10 @@ log = logging.getLogger("batchfit")
 
 DEADLINE_GRACE_S = 5.0
 """The engine answers 504 at a request's deadline; this long after it, we do."""
+ENGINE_SILENCE_S = 5.0
+"""The engine says its state every 0.2 s (``host.STATE_INTERVAL_S``); silent this long once
+its models have come, it is hung (stopped, or its event loop stuck), and /health/live says
+so: this process answers on, so its own liveness says nothing about the engine's."""
 
 
 def engine_gone() -> ApiError:
@@ -109,6 +114,7 @@ class RemoteRuntime:
         self._tokenizer = ModelThread("batchfit-tokenize")
         self._inferring = 0  # inference requests in progress here
         self._heard: asyncio.Event | None = None
+        self._heard_s: float | None = None  # the engine's latest message (once it is loaded)
         self.status_history: Any = None
         """This process's ``StatusHistory`` (set by ``create_app``): it only counts the
         requests answered here, which the engine takes before each of its samples."""
@@ -116,6 +122,20 @@ class RemoteRuntime:
     @property
     def ready(self) -> bool:
         return bool(self.slots) and self._engine_ready and not self.draining
+
+    def liveness_problem(self) -> ApiError | None:
+        """As ``Runtime.liveness_problem``: an engine silent for ``ENGINE_SILENCE_S`` (a lost
+        one is not hung: this process is exiting, and says 503 to requests already)."""
+        heard = self._heard_s
+        if heard is None or self.engine_lost:
+            return None
+        silent_s = time.monotonic() - heard
+        if silent_s < ENGINE_SILENCE_S:
+            return None
+        return ApiError(
+            503, "engine_unavailable",
+            f"the engine process of this replica has said nothing for {silent_s:.0f}s",
+        )  # fmt: skip
 
     @property
     def draining(self) -> bool:
@@ -206,6 +226,8 @@ class RemoteRuntime:
         self._link.send(kind, header, *frames)
 
     def _handle(self, kind: bytes, header: Any, frames: list[bytes]) -> None:
+        if self.slots:  # judged only once the engine has loaded its models
+            self._heard_s = time.monotonic()
         if kind == wire.RESULT:
             future = self._pending.get(header[0])
             if future is not None and not future.done():

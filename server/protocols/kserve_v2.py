@@ -100,9 +100,15 @@ async def server_metadata(request: Request) -> Response:
     )
 
 
-@router.get("/v2/health/live", response_model=LiveResponse, summary="Server live")
-async def server_live() -> Response:
-    return _json({"live": True})
+@router.get(
+    "/v2/health/live",
+    response_model=LiveResponse,
+    responses={503: {"model": LiveResponse, "description": "Not live (a silent engine)"}},
+    summary="Server live (200 live, 503 not)",
+)
+async def server_live(request: Request) -> Response:
+    live = runtime_of(request).liveness_problem() is None
+    return _json({"live": live}, 200 if live else 503)
 
 
 @router.get(

@@ -39,7 +39,7 @@ from models import (
 )
 
 from ..cache import InputCache, stored_value
-from ..errors import deadline_exceeded, draining, model_not_found, not_ready
+from ..errors import ApiError, deadline_exceeded, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
 from .announce import ready_line
@@ -148,6 +148,12 @@ class Runtime:
         if found is None:
             raise model_not_found(name, list(self.slots))
         return found
+
+    def liveness_problem(self) -> ApiError | None:
+        """Why this replica is alive but hung (None: it is not). In one process, that the
+        event loop answers at all is the proof: the batcher and the model thread run on
+        their own and fail their requests when they fail."""
+        return None
 
     @property
     def ready(self) -> bool:

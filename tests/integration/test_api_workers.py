@@ -473,3 +473,29 @@ def test_a_killed_engine_ends_every_request_with_503_and_the_api_processes_exit(
         poll(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 15)
         with pytest.raises(httpx.TransportError):  # nothing listens any more
             httpx.get(f"{server.url}/health/live", timeout=5)
+
+
+def test_a_hung_engine_fails_liveness_in_every_api_process_until_it_answers_again(tmp_path):
+    # The API processes answer HTTP on their own, so their liveness must speak for the engine:
+    # stopped (SIGSTOP), it says nothing; the kubelet or `batchfit up` then restarts the replica.
+    def answers(path: str, times: int = 8) -> list[int]:
+        # One connection each: the listening socket hands them to either API process.
+        return [httpx.get(f"{server.url}{path}", timeout=10).status_code for _ in range(times)]
+
+    with gated_replica(tmp_path) as server:
+        assert infer(server.url, {"inputs": ["before"]}).status_code == 200
+        assert set(answers("/health/live") + answers("/v2/health/live")) == {200}
+        engine = server.process.pid
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            poll(lambda: set(answers("/health/live")) == {503}, timeout_s=60)
+            hung = httpx.get(f"{server.url}/health/live", timeout=10)
+            v2 = httpx.get(f"{server.url}/v2/health/live", timeout=10)
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        poll(lambda: set(answers("/health/live") + answers("/v2/health/live")) == {200}, 60)
+        after = infer(server.url, {"inputs": ["after"]})
+    assert hung.json()["error_type"] == "engine_unavailable", hung.text
+    assert "has said nothing for" in hung.json()["error"]
+    assert (v2.status_code, v2.json()) == (503, {"live": False})
+    assert after.status_code == 200, after.text
