@@ -95,8 +95,9 @@ _ERROR_TYPES = (
               "no replica could answer (every one down, loading or draining); `Retry-After` set",
               (NGINX,)),
     ErrorType("engine_unavailable", (503,),
-              "with `--api-workers`, the replica's engine process stopped; the replica exits "
-              "and its supervisor restarts it; `Retry-After` set"),
+              "with `--api-workers`, the replica's engine process stopped (the replica exits "
+              "and its supervisor restarts it), or, from `/health/live`, has been silent for "
+              "5 s; `Retry-After` set"),
     ErrorType("deadline_exceeded", (504,), "the request's deadline passed before its answer"),
     ErrorType("gateway_timeout", (504,),
               "a replica did not answer within Nginx's read timeout", (NGINX,)),

@@ -135,6 +135,7 @@ class RemoteRuntime:
         return ApiError(
             503, "engine_unavailable",
             f"the engine process of this replica has said nothing for {silent_s:.0f}s",
+            retry_after_s=1,
         )  # fmt: skip
 
     @property
