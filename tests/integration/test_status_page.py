@@ -117,7 +117,10 @@ def test_status_page_draws_live_data_that_matches_status_json(server, tmp_path):
     # BATCHFIT_STATUS_SCREENSHOT=docs/status-page.png keeps the screenshot, after longer traffic.
     keep = os.environ.get("BATCHFIT_STATUS_SCREENSHOT")
     min_samples = 40 if keep else 3
-    with Traffic(server.url) as traffic, open_page(tmp_path) as page:
+    with (
+        Traffic(server.url, max_requests=30000 if keep else 3000) as traffic,
+        open_page(tmp_path) as page,
+    ):
         # The page asks for the key (HTTP Basic); a person types it at the browser's prompt.
         page.answer_auth_prompts("me", KEY)
         page.record_canvas_text()

@@ -44,11 +44,13 @@
   const pad2 = (n) => String(n).padStart(2, "0");
   const MONTHS = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
 
+  const clockTime = (d) => pad2(d.getHours()) + ":" + pad2(d.getMinutes()) + ":" + pad2(d.getSeconds());
+
   function timeLabels(self, splits, axisIdx, foundSpace, foundIncr) {
     return splits.map((t) => {
       const d = new Date(t * 1000);
       const hm = pad2(d.getHours()) + ":" + pad2(d.getMinutes());
-      if (foundIncr < 60) return hm + ":" + pad2(d.getSeconds());
+      if (foundIncr < 60) return clockTime(d);
       const midnight = d.getHours() === 0 && d.getMinutes() === 0;
       if (foundIncr < 3600 || (foundIncr < 86400 && !midnight)) return hm;
       return MONTHS[d.getMonth()] + " " + d.getDate();  // a day's first tick names the day
@@ -124,7 +126,7 @@
       }
       summary.dataset.t = String(last.t);
       document.getElementById("updated").textContent =
-        "updated " + new Date(last.t * 1000).toLocaleTimeString();
+        "updated " + clockTime(new Date(last.t * 1000));
     }
     const stateEl = document.getElementById("state");
     const text = body.draining ? "draining" : body.ready ? "ready" : "not ready";
