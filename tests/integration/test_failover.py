@@ -21,7 +21,7 @@ LOAD_CLIENTS = 6
 VICTIM = "replica-1"
 # Unanswered this long after the freeze: stuck on the frozen replica (answers here take tens of
 # ms). Short enough that most of the load is still to come when it dies: the survivors answer
-# 300 requests a second on a quiet host.
+# about 200 requests a second on a quiet 2-CPU host, so it dies after about 150 of the 400.
 STUCK_S = 0.5
 
 
