@@ -114,7 +114,7 @@ class RemoteRuntime:
         self._tokenizer = ModelThread("batchfit-tokenize")
         self._inferring = 0  # inference requests in progress here
         self._heard: asyncio.Event | None = None
-        self._heard_s: float | None = None  # the engine's latest message (once it is loaded)
+        self._heard_s: float | None = None  # the engine's latest state (once it is loaded)
         self.status_history: Any = None
         """This process's ``StatusHistory`` (set by ``create_app``): it only counts the
         requests answered here, which the engine takes before each of its samples."""
@@ -227,8 +227,6 @@ class RemoteRuntime:
         self._link.send(kind, header, *frames)
 
     def _handle(self, kind: bytes, header: Any, frames: list[bytes]) -> None:
-        if self.slots:  # judged only once the engine has loaded its models
-            self._heard_s = time.monotonic()
         if kind == wire.RESULT:
             future = self._pending.get(header[0])
             if future is not None and not future.done():
@@ -242,6 +240,8 @@ class RemoteRuntime:
                 )
         elif kind == wire.STATE:
             self._engine_ready, self._engine_draining, self.queue.depth = header
+            if self.slots:  # its silence is judged once the engine has loaded its models
+                self._heard_s = time.monotonic()
             if self._heard is not None:
                 self._heard.set()
         elif kind == wire.MODELS:

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.browser import open_page, overlapping, require_chromium
+from tests.browser import Page, open_page, overlapping, require_chromium
 from tests.servers import run_server
 
 pytestmark = pytest.mark.integration
@@ -231,6 +231,19 @@ def static_status_page(samples: list[dict[str, object]]) -> Iterator[str]:
         httpd.server_close()
 
 
+@contextmanager
+def static_page_open(tmp_path: Path, samples: list[dict[str, object]]) -> Iterator[Page]:
+    """``static_status_page`` open in the browser, its charts' texts recorded, once it has
+    read ``samples``."""
+    with static_status_page(samples) as url, open_page(tmp_path) as page:
+        page.record_canvas_text()
+        page.navigate(f"{url}/status")
+        page.wait_for(
+            f"window.batchfitStatus && window.batchfitStatus.samples.length === {len(samples)}"
+        )
+        yield page
+
+
 def test_no_axis_number_overlaps_its_label_when_data_returns_after_a_gap(tmp_path):
     # A window without batches hides the batch chart's y axes; when batches return, the plot's
     # height changes while uPlot sizes the axes. Every chart, from no data to a range whose
@@ -242,10 +255,7 @@ def test_no_axis_number_overlaps_its_label_when_data_returns_after_a_gap(tmp_pat
                 "latency_p99_ms": None, "memory_free_bytes": None, "budget_bytes": None,
                 "predicted_peak_bytes": None, "measured_peak_bytes": None}
                for i in range(10)]  # fmt: skip
-    with static_status_page(samples) as url, open_page(tmp_path) as page:
-        page.record_canvas_text()
-        page.navigate(f"{url}/status")
-        page.wait_for("window.batchfitStatus && window.batchfitStatus.samples.length === 10")
+    with static_page_open(tmp_path, samples) as page:
         drawn = page.evaluate(
             """(async () => {
               const painted = () => new Promise((done) => setTimeout(done, 0));
@@ -336,10 +346,7 @@ def test_no_time_label_overlaps_another_across_a_new_minute_day_or_year(tmp_path
     # drawn here rather than left to the time of the run.
     require_chromium()
     samples = [{"t": time.time() - 10 + i, "requests_per_s": 1.0} for i in range(10)]
-    with static_status_page(samples) as url, open_page(tmp_path) as page:
-        page.record_canvas_text()
-        page.navigate(f"{url}/status")
-        page.wait_for("window.batchfitStatus && window.batchfitStatus.samples.length === 10")
+    with static_page_open(tmp_path, samples) as page:
         drawn = page.evaluate(
             """(async () => {
               const painted = () => new Promise((done) => setTimeout(done, 0));
