@@ -1,4 +1,10 @@
+import os
+import select
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -14,7 +20,7 @@ from server.supervise.launcher import (
     replica_environment,
     replica_ports,
 )
-from tests.servers import free_port
+from tests.servers import ROOT, free_port
 
 
 def up_args(*argv):
@@ -174,3 +180,42 @@ def test_repeated_model_flags_reach_every_replica():
     assert Settings(**{k: v for k, v in serve.items() if k in Settings.model_fields}).model == (
         "e=all-MiniLM-L6-v2", "rr=/m/ce",
     )  # fmt: skip
+
+
+STOP_WAITER = """
+import os, signal
+from server.supervise.launcher import StopRequest
+while True:
+    stop = StopRequest()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop.handle)
+    os.write(1, b"w")  # waiting for a stop, as the launcher's loop does
+    while not stop.wait(0.01):
+        pass
+"""
+
+
+def test_two_signals_close_together_never_deadlock_the_stop_request():
+    # A wrapper that forwards the signal it got to a launcher that got it too sends two
+    # signals microseconds apart: one handler runs while the other is still setting the flag.
+    with subprocess.Popen([sys.executable, "-c", STOP_WAITER], cwd=ROOT,
+                          stdout=subprocess.PIPE) as child:  # fmt: skip
+        out = child.stdout.fileno()
+
+        def stops_waited(deadline_s: float = 10.0) -> int:
+            """The waits begun since the last call; at least one (else it deadlocked)."""
+            ready, _, _ = select.select([out], [], [], deadline_s)
+            return len(os.read(out, 4096)) if ready else 0
+
+        try:
+            assert stops_waited(60) >= 1  # started
+            for pair in range(200):
+                time.sleep(0.002)  # inside its wait
+                os.kill(child.pid, signal.SIGINT)
+                gap_s, sent = (50 + 10 * (pair % 10)) * 1e-6, time.perf_counter()
+                while time.perf_counter() - sent < gap_s:
+                    pass
+                os.kill(child.pid, signal.SIGTERM)
+                assert stops_waited() >= 1, f"deadlocked by pair {pair} ({gap_s * 1e6:.0f} us)"
+        finally:
+            child.kill()
