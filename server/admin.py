@@ -1,7 +1,8 @@
 """Admin endpoints (profiling), bound only when ``--admin-token`` is set.
 
 The trace itself is recorded on the model thread: ``Runtime.profiler`` wraps the batcher's
-forward calls; these endpoints only arm it and report on it.
+forward calls; these endpoints only arm it and report on it. In an API process
+(``--api-workers``), they ask the engine, whose model thread it is (``RemoteRuntime.profile``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from models import ProfilerBusy
+from models import BatchProfiler, ProfilerBusy, ProfileStatus
 
 from .errors import ApiError
 from .inference import runtime_of
@@ -68,9 +69,29 @@ def make_admin_router(admin_token: str) -> APIRouter:
         summary="Record a torch.profiler trace of the next N batches",
     )
     async def start_profile(request: Request, body: ProfileRequest | None = None) -> Response:
-        profiler = runtime_of(request).profiler
+        num_batches = (body or ProfileRequest()).num_batches
+        return _state(await _profile(runtime_of(request), num_batches), 202)
+
+    @router.get("/profile", response_model=ProfileState, summary="The profiler's state")
+    async def profile_status(request: Request) -> Response:
+        return _state(await _profile(runtime_of(request), None))
+
+    return router
+
+
+async def _profile(runtime: Any, num_batches: int | None) -> ProfileStatus:
+    remote = getattr(runtime, "profile", None)  # an API process: the engine's profiler
+    if remote is not None:
+        return await remote(num_batches)
+    return profile(runtime.profiler, num_batches)
+
+
+def profile(profiler: BatchProfiler, num_batches: int | None) -> ProfileStatus:
+    """Arm ``profiler`` for the next ``num_batches`` batches (None: leave it as it is);
+    return its state. Raises ``ApiError`` (409 busy, 500 no trace folder)."""
+    if num_batches is not None:
         try:
-            profiler.arm((body or ProfileRequest()).num_batches)
+            profiler.arm(num_batches)
         except ProfilerBusy as exc:
             raise ApiError(409, "profile_busy", str(exc)) from None
         except OSError as exc:  # the trace folder cannot be made
@@ -78,16 +99,10 @@ def make_admin_router(admin_token: str) -> APIRouter:
                 500, "profile_dir_unwritable",
                 f"cannot write traces to --profile-dir {profiler.directory}: {exc.strerror}",
             ) from None  # fmt: skip
-        return _state(profiler.status(), 202)
-
-    @router.get("/profile", response_model=ProfileState, summary="The profiler's state")
-    async def profile_status(request: Request) -> Response:
-        return _state(runtime_of(request).profiler.status())
-
-    return router
+    return profiler.status()
 
 
-def _state(status: Any, status_code: int = 200) -> Response:
+def _state(status: ProfileStatus, status_code: int = 200) -> Response:
     body = {
         "state": status.state,
         "num_batches": status.num_batches,

@@ -73,7 +73,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
-            if settings.metrics_port is not None:
+            if settings.metrics_port is not None and not remote:  # else the engine's
                 await stack.enter_async_context(
                     serve_metrics(registry, host=settings.host, port=settings.metrics_port)
                 )

@@ -1,7 +1,9 @@
 """``/metrics`` on a port of its own (``--metrics-port``), served from the replica's event loop.
 
 A second, small uvicorn server in the same process: Prometheus scrapes each replica there
-directly, and the public port (behind Nginx) no longer answers ``/metrics`` at all.
+directly, and the public port (behind Nginx) no longer answers ``/metrics`` at all. With
+``--api-workers``, the engine process serves it: the replica's series, merged from every
+process's.
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import uvicorn
-from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, make_asgi_app
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import error_body
@@ -22,6 +24,9 @@ log = logging.getLogger("batchfit")
 
 METRICS_PATH = "/metrics"
 TASK_NAME = "batchfit-metrics-server"
+
+Exposition = Callable[[], Awaitable[bytes]]
+"""The replica's series in the text format, gathered on each scrape (an engine's, merged)."""
 
 
 class _MetricsServer(uvicorn.Server):
@@ -50,9 +55,12 @@ class _QuietTask(logging.Filter):
         return task is None or task.get_name() != self.task_name
 
 
-def metrics_app(registry: CollectorRegistry) -> ASGIApp:
-    """``GET /metrics`` from ``registry``; any other path is 404 in our error shape."""
-    exposition = make_asgi_app(registry)
+def metrics_app(source: CollectorRegistry | Exposition) -> ASGIApp:
+    """``GET /metrics`` from ``source`` (a registry, or a call that gathers the series); any
+    other path is 404 in our error shape."""
+    exposition = (
+        make_asgi_app(source) if isinstance(source, CollectorRegistry) else _gathered(source)
+    )
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -61,19 +69,22 @@ def metrics_app(registry: CollectorRegistry) -> ASGIApp:
             await exposition(scope, receive, send)
             return
         body = error_body("not_found", "only /metrics is served here", "", status=404)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 404,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await _answer(send, 404, b"application/json", body)
 
     return app
+
+
+def _gathered(gather: Exposition) -> ASGIApp:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await _answer(send, 200, CONTENT_TYPE_LATEST.encode(), await gather())
+
+    return app
+
+
+async def _answer(send: Send, status: int, content_type: bytes, body: bytes) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -84,12 +95,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 @contextlib.asynccontextmanager
 async def serve_metrics(
-    registry: CollectorRegistry, *, host: str, port: int
+    source: CollectorRegistry | Exposition, *, host: str, port: int
 ) -> AsyncIterator[None]:
-    """Serve ``registry`` on ``host:port`` for the duration of the block."""
+    """Serve ``source``'s series on ``host:port`` for the duration of the block."""
     sock = bind(host, port)
     config = uvicorn.Config(
-        metrics_app(registry),
+        metrics_app(source),
         lifespan="off",
         access_log=False,
         log_config=None,  # leave the process's logging as the main server configured it

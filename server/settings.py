@@ -320,17 +320,6 @@ class Settings(BaseSettings):
             raise ValueError(f"metrics_port ({self.metrics_port}) must differ from port")
         return self
 
-    @model_validator(mode="after")
-    def _check_api_workers(self) -> Settings:
-        if self.api_workers > 1:
-            for name, value in (("metrics_port", self.metrics_port),
-                                ("admin_token", self.admin_token)):  # fmt: skip
-                if value is not None:
-                    raise ValueError(
-                        f"{name} is not available with api_workers ({self.api_workers}) above 1"
-                    )
-        return self
-
     def model_entries(self) -> list[ModelEntry]:
         """The served models in order, the default first, each with its task."""
         return parse_models(self.model, self.task, self.default_prompt_name)

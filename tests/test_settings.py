@@ -175,13 +175,8 @@ def test_serve_refuses_such_settings_at_start_up_and_names_the_flag(capsys, monk
     assert "lower --max-inputs-per-request or raise --max-queue-items" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "given", [{"metrics_port": 9100}, {"admin_token": "secret"}], ids=["metrics-port", "admin"]
-)
-def test_what_one_process_owns_is_refused_with_api_workers(given):
-    name = next(iter(given))
-    with pytest.raises(ValidationError, match=rf"{name} is not available with api_workers \(2\)"):
-        Settings(api_workers=2, **given)
-    assert Settings(api_workers=1, **given).api_workers == 1
+def test_api_workers_take_the_metrics_port_and_the_admin_token_and_are_at_least_one():
+    settings = Settings(api_workers=2, metrics_port=9100, admin_token="secret")
+    assert (settings.api_workers, settings.metrics_port) == (2, 9100)
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         Settings(api_workers=0)

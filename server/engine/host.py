@@ -24,9 +24,11 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from batching import at_home
 
+from ..admin import profile
 from ..disconnect import ConnectionWatch
-from ..errors import to_api_error
+from ..errors import ApiError, to_api_error
 from ..heap import freeze_startup_heap
+from ..metrics_server import serve_metrics
 from ..runtime import ClientDisconnected, RequestTrace, Runtime
 from ..settings import Settings
 from ..status import StatusHistory
@@ -100,6 +102,15 @@ class EngineHost:
     # -- lifetime ------------------------------------------------------------------------
 
     async def run(self, listener: socket.socket) -> int:
+        async with contextlib.AsyncExitStack() as stack:
+            if self.settings.metrics_port is not None:  # the API processes leave it to us
+                await stack.enter_async_context(serve_metrics(
+                    self.merged_exposition, host=self.settings.host,
+                    port=self.settings.metrics_port,
+                ))  # fmt: skip
+            return await self._serve(listener)
+
+    async def _serve(self, listener: socket.socket) -> int:
         loop = asyncio.get_running_loop()
         self._listener = listener
         for index in range(self.settings.api_workers):
@@ -297,6 +308,14 @@ class EngineHost:
         elif kind == wire.STATUS:
             number, since = header
             self._send(worker, wire.SAMPLES, (number, self.status.since(since)))
+        elif kind == wire.PROFILE:
+            number, num_batches = header
+            try:
+                state = profile(self.runtime.profiler, num_batches)
+            except ApiError as error:
+                self._send(worker, wire.ERROR, _error_detail(number, error))
+            else:
+                self._send(worker, wire.PROFILED, (number, state))
         elif kind == wire.SNAPSHOT:
             number, families = header
             waiting = self._collects.get(number)
@@ -324,9 +343,7 @@ class EngineHost:
         except ClientDisconnected:
             pass  # the API process has answered its client already
         except Exception as exc:
-            error = to_api_error(exc)
-            detail = (number, error.status, error.error_type, error.message, error.retry_after_s)
-            self._send(worker, wire.ERROR, detail)
+            self._send(worker, wire.ERROR, _error_detail(number, to_api_error(exc)))
         finally:
             worker.open.pop(number, None)
 
@@ -334,7 +351,10 @@ class EngineHost:
         return [worker for worker in self.workers.values() if worker.greeted]
 
     async def _scrape(self, asker: WorkerProcess, number: int) -> None:
-        """Merge the engine's series with every API process's; answer ``asker``."""
+        self._send(asker, wire.EXPOSITION, (number,), await self.merged_exposition())
+
+    async def merged_exposition(self) -> bytes:
+        """The replica's series: the engine's merged with every API process's."""
         collect = self._next_collect = self._next_collect + 1
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         snapshots: list[Any] = []
@@ -346,8 +366,7 @@ class EngineHost:
                 await asyncio.wait_for(done, SNAPSHOT_TIMEOUT_S)
         finally:
             del self._collects[collect]
-        families = merge_families([list(self.registry.collect()), *snapshots])
-        self._send(asker, wire.EXPOSITION, (number,), exposition(families))
+        return exposition(merge_families([list(self.registry.collect()), *snapshots]))
 
     async def _gather_tallies(self) -> None:
         """Before a status sample: every API process's requests since the last one."""
@@ -364,6 +383,11 @@ class EngineHost:
                 await asyncio.wait_for(done, TALLY_TIMEOUT_S)
         finally:
             self._tallies = None
+
+
+def _error_detail(number: int, error: ApiError) -> tuple[Any, ...]:
+    """An ``ERROR`` message's header: the API process raises ``error`` again from it."""
+    return (number, error.status, error.error_type, error.message, error.retry_after_s)
 
 
 def _loop_factory() -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from batching import ModelThread
-from models import ModelInfo
+from models import ModelInfo, ProfileStatus
 
 from ..errors import ApiError, draining, model_not_found, not_ready
 from ..heap import freeze_startup_heap
@@ -97,7 +97,6 @@ class RemoteRuntime:
         self.metrics = ServerMetrics(registry, max_latency_s=settings.max_timeout_s)
         self.slots: dict[str, RemoteSlot] = {}
         self.queue = QueueDepth()
-        self.profiler = None
         self.startup_error: BaseException | None = None
         self.batcher_error: BaseException | None = None
         self._link_fd = link_fd
@@ -258,7 +257,7 @@ class RemoteRuntime:
             future = self._pending.get(header[0])
             if future is not None and not future.done():
                 future.set_result(frames[0])
-        elif kind == wire.SAMPLES:
+        elif kind in (wire.SAMPLES, wire.PROFILED):
             future = self._pending.get(header[0])
             if future is not None and not future.done():
                 future.set_result(header[1])
@@ -310,6 +309,11 @@ class RemoteRuntime:
     async def status_samples(self, since: float | None) -> list[dict[str, Any]]:
         """The replica's status samples, from the engine's history (newer than ``since``)."""
         return await self._call(wire.STATUS, (since,), timeout_s=10.0)
+
+    async def profile(self, num_batches: int | None) -> ProfileStatus:
+        """The engine's profiler armed for ``num_batches`` (None: as it is), and its state
+        (``admin.profile``, in the engine: its errors come back as they are)."""
+        return await self._call(wire.PROFILE, (num_batches,), timeout_s=10.0)
 
     async def infer(
         self,

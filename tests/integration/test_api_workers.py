@@ -33,7 +33,7 @@ from models.spec import BUNDLED_MODEL
 from tests.fakes import GATE_ENV
 from tests.integration.test_server import SENTENCES, reference  # noqa: F401 (a fixture)
 from tests.rawhttp import send_request
-from tests.servers import ServerProcess, run_server
+from tests.servers import ServerProcess, free_port, run_server
 
 pytestmark = pytest.mark.integration
 
@@ -427,6 +427,43 @@ def gated_replica(tmp_path: Path, *flags: str) -> contextlib.AbstractContextMana
     gate = tmp_path / "gate"
     gate.touch()
     return run_server(tmp_path, *GATED, "--api-workers", "2", *flags, env={GATE_ENV: str(gate)})
+
+
+def test_the_metrics_port_and_the_admin_profiler_answer_for_the_whole_replica(tmp_path):
+    # The engine serves --metrics-port (every process's series, merged) and owns the model
+    # thread the admin profiler traces; the API processes ask it.
+    metrics_port, token = free_port(), "admin-token"
+    admin = {"Authorization": f"Bearer {token}"}
+    with gated_replica(
+        tmp_path, "--metrics-port", str(metrics_port), "--admin-token", token,
+        "--profile-dir", str(tmp_path / "traces"),
+    ) as server:  # fmt: skip
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        assert httpx.get(f"{server.url}/metrics").status_code == 404  # off the public port
+        before = httpx.get(metrics_url, timeout=30).text
+        num_requests = 8
+        for i in range(num_requests):  # a connection each: the API processes share them out
+            assert infer(server.url, {"inputs": [f"count {i}"]}).status_code == 200
+        after = httpx.get(metrics_url, timeout=30).text
+        labels = 'code="200",endpoint="/v1/infer",error_type=""'
+        counted = value(after, "batchfit_requests_total", labels)
+        assert counted - value(before, "batchfit_requests_total", labels) == num_requests
+        assert value(after, "batchfit_batch_size_count", 'model="scripted"') >= num_requests
+
+        url = f"{server.url}/admin/profile"
+        assert httpx.post(url, json={"num_batches": 2}).status_code == 401
+        armed = httpx.post(url, json={"num_batches": 2}, headers=admin)
+        assert armed.status_code == 202 and armed.json()["state"] == "armed", armed.text
+        for _ in range(4):  # whichever API process answers, the engine's profiler is armed
+            busy = httpx.post(url, json={"num_batches": 1}, headers=admin)
+            assert busy.status_code == 409 and busy.json()["error_type"] == "profile_busy"
+        for i in range(2):  # one request at a time: two batches
+            assert infer(server.url, {"inputs": [f"traced {i}"]}).status_code == 200
+        poll(lambda: httpx.get(url, headers=admin).json()["state"] == "idle", 30)
+        state = httpx.get(url, headers=admin).json()
+    assert state["last_error"] is None and state["last_trace_path"] == armed.json()["trace_path"]
+    events = json.loads(Path(state["last_trace_path"]).read_text())["traceEvents"]
+    assert len([e for e in events if e.get("name", "").startswith("batchfit_batch[")]) == 2
 
 
 def test_sigterm_drains_through_the_api_processes_then_every_process_exits_0(tmp_path):
