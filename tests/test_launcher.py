@@ -219,3 +219,28 @@ def test_two_signals_close_together_never_deadlock_the_stop_request():
                 assert stops_waited() >= 1, f"deadlocked by pair {pair} ({gap_s * 1e6:.0f} us)"
         finally:
             child.kill()
+
+
+def test_a_replica_that_never_answers_its_liveness_question_never_holds_the_loop(tmp_path):
+    # A hung replica accepts the connection (the kernel does) and answers nothing: asked on
+    # the launcher's loop, each question held it for the whole timeout.
+    settings = LauncherSettings(liveness_timeout_s=0.5, liveness_failures=2,
+                                liveness_period_s=0.01)  # fmt: skip
+    runner = launcher.Launcher(settings, Settings(), [])
+    with socket.create_server(("127.0.0.1", 0)) as hung, \
+            subprocess.Popen(["sleep", "60"]) as process:  # fmt: skip
+        child = launcher.Child("replica-0", process, tmp_path / "log",
+                               url=f"http://127.0.0.1:{hung.getsockname()[1]}")  # fmt: skip
+        try:
+            for asked in (1, 2):
+                runner._check_liveness(child, time.monotonic())
+                assert child.unanswered == asked - 1  # returned at once: the question is out
+                assert child.liveness is not None and not child.liveness.done()
+                child.liveness.result(timeout=30)  # the timeout passes meanwhile
+                runner._check_liveness(child, time.monotonic())
+                assert child.unanswered == asked and child.liveness is None
+                time.sleep(0.02)  # the period
+            assert process.wait(30) == -signal.SIGKILL
+        finally:
+            process.kill()
+            runner._questions.shutdown()

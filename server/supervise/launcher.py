@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -19,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
@@ -29,6 +28,15 @@ from pydantic import ValidationError
 from ..openmp import OPERATOR_SPINCOUNT
 from ..runtime.threads import host_capacity
 from ..settings import LauncherSettings, Settings
+from .children import (
+    Child,
+    StopRequest,
+    ask_live,
+    describe_exit,
+    die_with_parent,
+    next_backoff,
+    stop_children,
+)
 from .nginx import (
     NginxConfig,
     check_config,
@@ -39,61 +47,10 @@ from .nginx import (
 )
 
 log = logging.getLogger("batchfit.launcher")
-_PR_SET_PDEATHSIG = 1
 # The launcher picks each replica's addresses itself (a free loopback port for HTTP and one
 # for /metrics, so N replicas never collide and metrics stay off the Nginx path).
 REPLICA_ADDRESS_FIELDS = frozenset({"host", "port", "metrics_port"})
 POLL_S = 0.2
-
-
-class StopRequest:
-    """Ctrl-C or SIGTERM, as the launcher's signal handler (``handle``) records it: a plain
-    flag, set without a lock. ``threading.Event.set`` takes one, and a second signal that
-    arrives while the first one's handler holds it (a wrapper such as ``timeout`` forwarding
-    the signal it got to a launcher that got it too) deadlocks the main thread for good: 3 of
-    120 pairs of signals sent 80-120 us apart did so here."""
-
-    def __init__(self) -> None:
-        self._requested = False
-
-    def handle(self, signum: int, frame: object) -> None:
-        self._requested = True
-
-    def is_set(self) -> bool:
-        return self._requested
-
-    def wait(self, timeout_s: float) -> bool:
-        """Sleep ``timeout_s`` unless a stop was asked for; return whether one was. (A signal
-        does not cut the sleep short: its handler returns into it.)"""
-        if not self._requested:
-            time.sleep(timeout_s)
-        return self._requested
-
-
-@dataclass
-class Child:
-    name: str
-    process: subprocess.Popen
-    log_path: Path
-    url: str = ""
-    metrics_url: str = ""
-    argv: tuple[str, ...] = ()
-    env: dict[str, str] | None = None
-    started_s: float = 0.0
-    num_restarts: int = 0
-    backoff_s: float = 0.0  # the wait before the next restart; 0 until the first death
-    restart_at_s: float | None = None  # set while dead and waiting to be restarted
-    ready: bool = False
-    next_liveness_s: float = 0.0  # when /health/live is asked next (while ready)
-    unanswered: int = 0  # /health/live questions in a row without a 200
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def log_tail(self, lines: int = 30) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
 
 
 class LaunchFailed(Exception):
@@ -160,29 +117,6 @@ def replica_environment(num_replicas: int, cores: int | None = None) -> dict[str
     return env
 
 
-def describe_exit(returncode: int | None) -> str:
-    """``exited with 1`` or ``exited with -9 (killed by SIGKILL)``: what a supervisor logs."""
-    if returncode is None:
-        return "is still running"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        why = " (the kernel's OOM killer sends this one)" if returncode == -signal.SIGKILL else ""
-        return f"exited with {returncode} (killed by {name}{why})"
-    return f"exited with {returncode}"
-
-
-def next_backoff(previous_s: float, uptime_s: float, *, first_s: float, max_s: float,
-                 reset_after_s: float) -> float:  # fmt: skip
-    """The wait before restarting a replica that just died after ``uptime_s`` up: the first
-    wait again after a long healthy run, otherwise double the previous one, capped."""
-    if previous_s <= 0 or uptime_s >= reset_after_s:
-        return first_s
-    return min(max_s, previous_s * 2)
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -211,12 +145,6 @@ def ports_in_use(ports: list[int], host: str = "127.0.0.1") -> list[int]:
     return taken
 
 
-def _die_with_parent() -> None:
-    # Linux: the child gets SIGTERM if the launcher dies without stopping it (e.g. SIGKILL).
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Launcher:
     def __init__(self, settings: LauncherSettings, replica: Settings, replica_argv: list[str],
                  out: IO[str] | None = None) -> None:  # fmt: skip
@@ -227,6 +155,9 @@ class Launcher:
         self.replicas: list[Child] = []
         self.nginx: Child | None = None
         self.stop_requested = StopRequest()
+        # A hung replica answers /health/live only at the timeout: asked here, it would hold
+        # the loop that sees the others die, and Ctrl-C, that long.
+        self._questions = ThreadPoolExecutor(thread_name_prefix="batchfit-liveness")
 
     def run(self) -> int:
         previous = {
@@ -248,6 +179,7 @@ class Launcher:
             log.error("%s", exc)
             return 1
         finally:
+            self._questions.shutdown(wait=False, cancel_futures=True)
             self._stop_all()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -267,7 +199,7 @@ class Launcher:
         with open(log_path, "ab" if append else "wb") as log_file:
             return subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent, env=env,
+                start_new_session=True, preexec_fn=die_with_parent, env=env,
             )  # fmt: skip
 
     def _start(self, prefix: Path) -> None:
@@ -397,7 +329,7 @@ class Launcher:
                         self._say(f"{child.name}: ready again (pid {child.process.pid}, "
                                   f"restart {child.num_restarts})")  # fmt: skip
             else:
-                self._check_liveness(child, client, now)
+                self._check_liveness(child, now)
             return
         if child.restart_at_s is not None:
             if now >= child.restart_at_s:
@@ -405,7 +337,7 @@ class Launcher:
             return
         # Just found dead.
         child.ready = False
-        child.unanswered, child.next_liveness_s = 0, 0.0
+        child.unanswered, child.next_liveness_s, child.liveness = 0, 0.0, None
         uptime_s = now - child.started_s
         how = describe_exit(child.process.returncode)
         if not self.settings.restart:
@@ -424,22 +356,25 @@ class Launcher:
                     how, uptime_s, child.backoff_s, child.log_path,
                     child.log_tail(10))  # fmt: skip
 
-    def _check_liveness(self, child: Child, client: httpx.Client, now: float) -> None:
-        """Ask a ready replica's /health/live every ``liveness_period_s``; after
+    def _check_liveness(self, child: Child, now: float) -> None:
+        """Ask a ready replica's /health/live every ``liveness_period_s``, on a thread; after
         ``liveness_failures`` questions in a row without a 200, kill it (SIGKILL: a hung event
         loop runs no SIGTERM handler). The next look finds it dead and restarts it; Nginx
         retries the requests it held (their connections are reset) on the others."""
         settings = self.settings
-        if not settings.liveness_failures or now < child.next_liveness_s:
+        if not settings.liveness_failures:
             return
-        url = f"{child.url}/health/live"
-        try:
-            status = client.get(url, timeout=settings.liveness_timeout_s).status_code
-            problem = None if status == 200 else f"answered {status}"
-        except httpx.TimeoutException:
-            problem = f"did not answer within {settings.liveness_timeout_s:g}s"
-        except httpx.TransportError as exc:
-            problem = f"failed: {exc!r}"
+        asked = child.liveness
+        if asked is None:
+            if now >= child.next_liveness_s:
+                child.liveness = self._questions.submit(
+                    ask_live, f"{child.url}/health/live", settings.liveness_timeout_s
+                )
+            return
+        if not asked.done():
+            return
+        child.liveness = None
+        problem = asked.result()
         child.next_liveness_s = time.monotonic() + settings.liveness_period_s
         if problem is None:
             child.unanswered = 0
@@ -482,20 +417,5 @@ class Launcher:
         # Nginx first (graceful: finishes the requests it is proxying), then every replica at
         # once, so each drains its accepted work.
         if self.nginx is not None:
-            _stop([self.nginx], signal.SIGQUIT, self.settings.stop_timeout_s)
-        _stop(self.replicas, signal.SIGTERM, self.settings.stop_timeout_s)
-
-
-def _stop(children: list[Child], signum: int, timeout_s: float) -> None:
-    for child in children:
-        if child.alive():
-            with contextlib.suppress(ProcessLookupError):
-                child.process.send_signal(signum)
-    deadline = time.monotonic() + timeout_s
-    for child in children:
-        try:
-            child.process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in %ss; killing it", child.name, timeout_s)
-            child.process.kill()
-            child.process.wait()
+            stop_children([self.nginx], signal.SIGQUIT, self.settings.stop_timeout_s)
+        stop_children(self.replicas, signal.SIGTERM, self.settings.stop_timeout_s)
