@@ -15,7 +15,7 @@ from fastapi.routing import iter_route_contexts
 from server import create_app
 from server.errors import ERROR_TYPES, NGINX
 from server.public_api import is_public_api, nginx_location_regex, public_api_routes
-from server.settings import Settings
+from server.settings import LauncherSettings, Settings
 from server.supervise.nginx import (
     COMPOSE_CONFIG_PATH,
     TEMPLATE_PATH,
@@ -143,6 +143,10 @@ def test_failover_policy(nginx_conf):
     assert directive(nginx_conf, "proxy_next_upstream_tries") == ["2"]
     (retry_time,) = directive(nginx_conf, "proxy_next_upstream_timeout")
     assert 0 < seconds(retry_time) <= 60
+    # A hung replica's requests are retried once batchfit up has found and killed it.
+    up = LauncherSettings()
+    found_s = up.liveness_failures * (up.liveness_period_s + up.liveness_timeout_s)
+    assert found_s < seconds(retry_time)
     for server in directive(nginx_conf, "server"):
         assert "max_fails=" in server and "fail_timeout=" in server
     # Nginx waits longer than any replica's own deadline.

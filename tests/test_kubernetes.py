@@ -208,6 +208,23 @@ def test_probes_use_the_replicas_health_routes():
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_hung_pod_is_killed_while_the_ingress_may_still_retry_its_requests(overlay):
+    # A hung replica holds the requests sent to it; once the kubelet has killed it, their
+    # connections are reset and the ingress retries them, if its retry window is still open.
+    docs = render(overlay)
+    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    probe = container(docs)["livenessProbe"]
+    pre_stop_s = float(container(docs)["lifecycle"]["preStop"]["exec"]["command"][1])
+    found_s = probe["failureThreshold"] * (probe["periodSeconds"] + probe["timeoutSeconds"])
+    killed_s = found_s + probe["terminationGracePeriodSeconds"]
+    assert (
+        pre_stop_s < probe["terminationGracePeriodSeconds"] < pod["terminationGracePeriodSeconds"]
+    )
+    annotations = find(docs, "Ingress")["metadata"]["annotations"]
+    assert killed_s < int(annotations["nginx.ingress.kubernetes.io/proxy-next-upstream-timeout"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_grace_period_outlasts_the_drain_and_scale_down_waits_for_it(overlay):
     docs = render(overlay)
     pod = find(docs, "Deployment")["spec"]["template"]["spec"]
