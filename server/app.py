@@ -30,6 +30,7 @@ from .routes import metrics_response, router
 from .settings import Settings
 from .status import ASSETS_URL as STATUS_ASSETS_URL
 from .status import StatusHistory, make_status_router, status_assets
+from .watchdog import loop_watchdog
 
 log = logging.getLogger("batchfit")
 
@@ -48,10 +49,13 @@ def create_app(
     on_fatal: Callable[[], None] | None = None,
     on_ready: Callable[[], None] | None = None,
     runtime: Any = None,
+    watch_loop: bool = False,
 ) -> FastAPI:
     """Build one replica's app. Start-up (model load, warm-up) runs in the background so that
     ``/health/live`` answers at once and ``/health/ready`` says 503 until it is done.
-    ``runtime`` replaces the ``Runtime`` (an API process's ``RemoteRuntime``)."""
+    ``runtime`` replaces the ``Runtime`` (an API process's ``RemoteRuntime``). With
+    ``watch_loop`` (a serving process: one timer per process, which a test process's apps
+    would share), a hung event loop ends the process (``watchdog.py``)."""
     # The *_created series only add noise to every scrape.
     disable_created_metrics()
     registry = registry if registry is not None else CollectorRegistry()
@@ -73,6 +77,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
+            if watch_loop:
+                stack.enter_context(loop_watchdog(settings.hang_timeout_s))
             if settings.metrics_port is not None and not remote:  # else the engine's
                 await stack.enter_async_context(
                     serve_metrics(registry, host=settings.host, port=settings.metrics_port)

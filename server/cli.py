@@ -132,6 +132,7 @@ def serve(settings: Settings) -> int:
         on_fatal=lambda: setattr(server, "should_exit", True),
         # A serving process only: a test process creates and drops many apps.
         on_ready=freeze_startup_heap,
+        watch_loop=True,
     )
     runtime = app.state.runtime
     server = DrainingServer(

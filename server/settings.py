@@ -226,6 +226,13 @@ class Settings(BaseSettings):
         description="On SIGTERM, how long admitted requests may take to finish (new ones get "
         "503 draining) before the rest get 503 and the process exits.",
     )
+    hang_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="A process of the replica whose event loop has not run for this long (hung: "
+        "a call that never returns, a deadlock) writes every thread's stack to the log and "
+        "exits with status 1, for its supervisor to restart it; 0: never.",
+    )
     api_key: SecretStr | None = Field(
         None,
         description="Require 'Authorization: Bearer <key>' on the API (health and metrics "

@@ -38,6 +38,17 @@ class FakeClock:
         return False
 
 
+STALL_THE_LOOP = "stall the loop"
+
+
+def scripted_items(inputs: Sequence[str]) -> list[Item]:
+    """A ``ScriptedModel``'s items. The input ``STALL_THE_LOOP`` hangs the calling thread (the
+    event loop, where small requests are tokenized) for 120 s: a hung replica."""
+    if STALL_THE_LOOP in inputs:
+        time.sleep(120)
+    return [Item(data=text, cost=len(text.split()) + 2) for text in inputs]
+
+
 class ScriptedModel:
     """Cost is the number of words + 2; output is ``"out:<text>"``.
 
@@ -72,7 +83,7 @@ class ScriptedModel:
         )  # fmt: skip
 
     def prepare(self, inputs: Sequence[str], *, truncate: bool) -> list[Item]:
-        return [Item(data=text, cost=len(text.split()) + 2) for text in inputs]
+        return scripted_items(inputs)
 
     def synthetic_items(self, num_items: int, length: int) -> list[Item]:
         return [Item(data="warm " * (length - 2), cost=length) for _ in range(num_items)]
@@ -230,7 +241,7 @@ class ScriptedPreparer:
         self.info = info
 
     def prepare(self, inputs: Sequence[str], *, truncate: bool) -> list[Item]:
-        return [Item(data=text, cost=len(text.split()) + 2) for text in inputs]
+        return scripted_items(inputs)
 
 
 class FileGatedModel(ScriptedModel):

@@ -32,6 +32,7 @@ from ..metrics_server import serve_metrics
 from ..runtime import ClientDisconnected, RequestTrace, Runtime
 from ..settings import Settings
 from ..status import StatusHistory
+from ..watchdog import loop_watchdog
 from . import wire
 from .link import Link
 from .merge import exposition, merge_families
@@ -103,6 +104,7 @@ class EngineHost:
 
     async def run(self, listener: socket.socket) -> int:
         async with contextlib.AsyncExitStack() as stack:
+            stack.enter_context(loop_watchdog(self.settings.hang_timeout_s))
             if self.settings.metrics_port is not None:  # the API processes leave it to us
                 await stack.enter_async_context(serve_metrics(
                     self.merged_exposition, host=self.settings.host,

@@ -74,7 +74,7 @@ def main() -> int:
         settings, registry=registry, link_fd=link_fd, index=index,
         stdin_fd=stdin.fileno(), on_exit=on_exit,
     )  # fmt: skip
-    app = create_app(settings, runtime=runtime, registry=registry)
+    app = create_app(settings, runtime=runtime, registry=registry, watch_loop=True)
     config = uvicorn.Config(
         app,
         log_level=settings.log_level,

@@ -30,7 +30,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from models.loading import resolve_model_path
 from models.spec import BUNDLED_MODEL
-from tests.fakes import GATE_ENV
+from tests.fakes import GATE_ENV, STALL_THE_LOOP
 from tests.integration.test_server import SENTENCES, reference  # noqa: F401 (a fixture)
 from tests.rawhttp import send_request
 from tests.servers import ServerProcess, free_port, run_server
@@ -464,6 +464,22 @@ def test_the_metrics_port_and_the_admin_profiler_answer_for_the_whole_replica(tm
     assert state["last_error"] is None and state["last_trace_path"] == armed.json()["trace_path"]
     events = json.loads(Path(state["last_trace_path"]).read_text())["traceEvents"]
     assert len([e for e in events if e.get("name", "").startswith("batchfit_batch[")]) == 2
+
+
+def test_a_hung_api_process_exits_and_is_started_again_while_the_other_serves(tmp_path):
+    with gated_replica(tmp_path, "--hang-timeout-s", "2") as server, ThreadPoolExecutor(1) as pool:
+        workers = set(children(server.process.pid))
+        stalled = pool.submit(infer, server.url, {"inputs": [STALL_THE_LOOP]}, 60)
+        poll(lambda: len(set(children(server.process.pid)) - workers) == 1, 30)  # replaced
+        with pytest.raises(httpx.TransportError):  # its connection went with it
+            stalled.result()
+        poll(lambda: len(children(server.process.pid)) == 2, 30)
+        for i in range(4):  # a connection each: either API process
+            assert infer(server.url, {"inputs": [f"after {i}"]}).status_code == 200
+        assert server.process.poll() is None  # the engine serves on
+    log = server.log()
+    assert "Timeout (0:00:02)!" in log and "in scripted_items" in log
+    assert "exited with 1; starting it again" in log
 
 
 def test_sigterm_drains_through_the_api_processes_then_every_process_exits_0(tmp_path):

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.fakes import BREAK_THE_LOOP, DEVICE_FAULT
+from tests.fakes import BREAK_THE_LOOP, DEVICE_FAULT, STALL_THE_LOOP
 from tests.rawhttp import read_response, send_request
 from tests.servers import queue_depth, run_server, wait_ready
 
@@ -230,3 +230,27 @@ def test_a_device_error_fails_what_the_replica_holds_and_exits_1(tmp_path):
         "replica for a restart" in log
     )
     assert "Traceback" not in log
+
+
+def test_a_hung_event_loop_writes_every_stack_and_exits_1(tmp_path):
+    """A hung replica stays alive answering nothing; under Docker Compose, whose restart
+    policy sees only exits, it would stay so for good."""
+    with (
+        run_server(
+            tmp_path, "--model", "python:tests.fakes:loop_breaking_model", "--sizer", "fixed",
+            "--hang-timeout-s", "2", ready_timeout_s=60,
+        ) as server,
+        ThreadPoolExecutor(1) as pool,
+    ):  # fmt: skip
+        time.sleep(6)  # idle for three timeouts: a loop that waits is not hung
+        fine = httpx.post(f"{server.url}/v1/infer", json={"inputs": "fine"}, timeout=30)
+        assert fine.json()["outputs"] == ["out:fine"]
+        stalled = pool.submit(
+            httpx.post, f"{server.url}/v1/infer", json={"inputs": STALL_THE_LOOP}, timeout=60
+        )  # fmt: skip
+        assert server.process.wait(30) == 1  # not the 120 s the stall lasts
+        with pytest.raises(httpx.TransportError):  # its connection went with the process
+            stalled.result()
+    log = server.log()
+    assert "Timeout (0:00:02)!" in log
+    assert "in scripted_items" in log  # where the loop was stuck, in its stack
