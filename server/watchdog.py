@@ -7,6 +7,8 @@ second; once it has not done so for ``timeout_s``, faulthandler's own thread (wh
 neither the loop nor the GIL) writes every thread's stack to stderr, under a
 ``Timeout (0:00:30)!`` line, and exits with status 1; the supervisor (Docker's restart
 policy, the kubelet, ``batchfit up``, or the engine for an API process) starts it again.
+NOTE: a process stopped for longer than ``timeout_s`` (SIGSTOP, ``docker pause``) exits as
+soon as it runs again: the timer's thread wakes before the loop can re-arm it.
 """
 
 from __future__ import annotations
