@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -172,6 +173,31 @@ def test_a_hung_replica_is_killed_and_restarted_and_its_requests_answered(tmp_pa
     assert re.search(rf"{pid} exited with -9 \(killed by SIGKILL\b", errors)
     print(f"\nhung replica: {len(held)} requests held by it, answered by the other after the "
           f"kill; the run took {took_s:.1f}s")  # fmt: skip
+
+
+def test_replicas_with_api_processes_serve_scrape_and_stop(tmp_path):
+    # Each replica is an engine with two API processes; the launcher gives it --metrics-port,
+    # which the engine serves, every process's series merged.
+    def infer_requests(metrics_url: str) -> float:
+        scrape = httpx.get(metrics_url, timeout=30).text
+        labels = 'code="200",endpoint="/v1/infer",error_type=""'
+        match = re.search(rf"^batchfit_requests_total{{{labels}}} (\S+)$", scrape, re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+    with run_launcher(tmp_path, "--model", "python:bench.noop:create", "--api-workers", "2",
+                      replicas=2) as cluster:  # fmt: skip
+        engines = [pid for _, pid in cluster.replicas.values()]
+        api_processes = [
+            int(child) for pid in engines
+            for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        ]  # fmt: skip
+        for i in range(8):
+            answer = httpx.post(f"{cluster.url}/v1/infer", json={"inputs": f"w {i}"}, timeout=30)
+            assert answer.status_code == 200, answer.text
+        answered = sum(infer_requests(url) for url in cluster.metrics_urls.values())
+    assert len(api_processes) == 4 and answered == 8
+    assert "exited with" not in cluster.errors()  # nothing died or was restarted
+    assert not [pid for pid in engines + api_processes if pid_exists(pid)]
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
