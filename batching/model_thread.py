@@ -49,6 +49,7 @@ class ModelThread:
         self.num_calls = 0
         """Calls handed to the thread so far (each is one hop there and one back)."""
         self._unfinished = 0  # calls queued or running; read by ``busy``
+        self._call_started_s: float | None = None  # the running call's start (monotonic)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the thread; its result or exception comes back here. If the
@@ -89,6 +90,12 @@ class ModelThread:
                 else:
                     self.colocation.before_forward()
             self._jobs.put(job)
+
+    def running_for(self) -> float:
+        """How long the call in progress (both parts of a call in two) has run; 0 between
+        calls. A call that never returns (a hung device) shows here."""
+        started = self._call_started_s
+        return 0.0 if started is None else time.monotonic() - started
 
     @property
     def busy(self) -> bool:
@@ -144,6 +151,7 @@ class ModelThread:
             error: BaseException | None = None
             timed = colocation is not None and rest is not None
             started = time.thread_time() if timed else 0.0
+            self._call_started_s = time.monotonic()
             try:
                 result = fn(*args)
                 if rest is not None:
@@ -159,6 +167,7 @@ class ModelThread:
                     self._hand_back(loop, _settle, future, result, error)
                 else:
                     self._hand_back(loop, _settle_both, future, result, error, rest)
+            self._call_started_s = None
             if timed:  # after the hand-back: the answer does not wait for the clock
                 colocation.note(time.thread_time() - started)  # type: ignore[union-attr]
             del job, fn, args, result, then, error  # no reference outlives the call

@@ -98,6 +98,9 @@ _ERROR_TYPES = (
               "with `--api-workers`, the replica's engine process stopped (the replica exits "
               "and its supervisor restarts it), or, from `/health/live`, has been silent for "
               "5 s; `Retry-After` set"),
+    ErrorType("model_hung", (503,),
+              "from `/health/live`: a forward pass has run for longer than "
+              "`--forward-timeout-s`; `Retry-After` set"),
     ErrorType("deadline_exceeded", (504,), "the request's deadline passed before its answer"),
     ErrorType("gateway_timeout", (504,),
               "a replica did not answer within Nginx's read timeout", (NGINX,)),

@@ -221,10 +221,13 @@ async def list_models(request: Request) -> Response:
 
 @router.get(
     "/health/live", response_model=Status,
-    responses=_error_responses({503: "Hung: the engine process (--api-workers) is silent"}),
+    responses=_error_responses(
+        {503: "Hung: a forward pass past --forward-timeout-s, or a silent engine process"}
+    ),
 )  # fmt: skip
 async def live(request: Request) -> Response:
-    """Answers whenever the event loop runs, never queued behind inference; 503 where the
+    """Answers whenever the event loop runs, never queued behind inference; 503 where a
+    forward pass has run past ``--forward-timeout-s`` (a hung device or model), or where the
     replica's engine process (``--api-workers``) has stopped answering this one."""
     problem = _runtime(request).liveness_problem()
     if problem is not None:

@@ -226,6 +226,13 @@ class Settings(BaseSettings):
         description="On SIGTERM, how long admitted requests may take to finish (new ones get "
         "503 draining) before the rest get 503 and the process exits.",
     )
+    forward_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        description="Once ready, a forward pass running for longer than this means a hung "
+        "device or model: /health/live answers 503 model_hung, so that the kubelet or batchfit "
+        "up restarts the replica; 0: never. Keep it above the longest batch.",
+    )
     hang_timeout_s: float = Field(
         30.0,
         ge=0,

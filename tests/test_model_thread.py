@@ -83,3 +83,28 @@ async def test_a_call_in_two_parts_hands_back_each_parts_exception():
         assert await thread.call(int) == 0  # the thread carries on
     finally:
         thread.close()
+
+
+async def test_running_for_counts_the_call_in_progress_both_its_parts_and_no_other_time():
+    thread = ModelThread("test-running")
+    finish = threading.Event()
+
+    def first() -> tuple[str, object]:
+        return "answer", lambda: finish.wait(10)
+
+    try:
+        assert thread.running_for() == 0.0
+        await thread.call(int)
+        await asyncio.sleep(0.05)
+        assert thread.running_for() == 0.0  # idle after a call: nothing runs
+        answer, rest = await thread.call_then(first)
+        assert answer == "answer"
+        await asyncio.sleep(0.05)
+        assert thread.running_for() >= 0.05  # its second part still runs
+        finish.set()
+        await rest
+        await asyncio.sleep(0.05)  # the thread notes the end just after handing it back
+        assert thread.running_for() == 0.0
+    finally:
+        finish.set()
+        thread.close()

@@ -248,7 +248,8 @@ class EngineHost:
 
     def _send_state(self) -> None:
         runtime = self.runtime
-        state = (runtime.ready, runtime.draining, len(runtime.queue))
+        hung = runtime.liveness_problem()  # the model thread's: the API processes answer it
+        state = (runtime.ready, runtime.draining, len(runtime.queue), hung and hung.message)
         for worker in self.workers.values():
             if not worker.greeted or worker.link is None:
                 continue

@@ -114,6 +114,7 @@ class RemoteRuntime:
         self._inferring = 0  # inference requests in progress here
         self._heard: asyncio.Event | None = None
         self._heard_s: float | None = None  # the engine's latest state (once it is loaded)
+        self._hung: str | None = None  # why the engine's model thread is hung, as it said
         self.status_history: Any = None
         """This process's ``StatusHistory`` (set by ``create_app``): it only counts the
         requests answered here, which the engine takes before each of its samples."""
@@ -123,11 +124,14 @@ class RemoteRuntime:
         return bool(self.slots) and self._engine_ready and not self.draining
 
     def liveness_problem(self) -> ApiError | None:
-        """As ``Runtime.liveness_problem``: an engine silent for ``ENGINE_SILENCE_S`` (a lost
-        one is not hung: this process is exiting, and says 503 to requests already)."""
+        """As ``Runtime.liveness_problem``: the engine's (its model thread hung), or an engine
+        silent for ``ENGINE_SILENCE_S`` (a lost one is not hung: this process is exiting,
+        and says 503 to requests already)."""
         heard = self._heard_s
         if heard is None or self.engine_lost:
             return None
+        if self._hung is not None:
+            return ApiError(503, "model_hung", self._hung, retry_after_s=1)
         silent_s = time.monotonic() - heard
         if silent_s < ENGINE_SILENCE_S:
             return None
@@ -238,7 +242,7 @@ class RemoteRuntime:
                     ApiError(status, error_type, message, retry_after_s=retry_after_s)
                 )
         elif kind == wire.STATE:
-            self._engine_ready, self._engine_draining, self.queue.depth = header
+            self._engine_ready, self._engine_draining, self.queue.depth, self._hung = header
             if self.slots:  # its silence is judged once the engine has loaded its models
                 self._heard_s = time.monotonic()
             if self._heard is not None:

@@ -150,10 +150,22 @@ class Runtime:
         return found
 
     def liveness_problem(self) -> ApiError | None:
-        """Why this replica is alive but hung (None: it is not). In one process, that the
-        event loop answers at all is the proof: the batcher and the model thread run on
-        their own and fail their requests when they fail."""
-        return None
+        """Why this replica is alive but hung (None: it is not). That the event loop answers
+        at all proves it runs; the model thread is hung once, after start-up, one call on it
+        has run for ``forward_timeout_s`` (a device or a model that never returns: the
+        requests it holds end at their deadlines, the ones after them wait in vain)."""
+        limit = self.settings.forward_timeout_s
+        if not limit or not self._started:
+            return None
+        running_s = self.model_thread.running_for()
+        if running_s < limit:
+            return None
+        return ApiError(
+            503, "model_hung",
+            f"a forward pass has been running for {running_s:.0f}s (--forward-timeout-s "
+            f"{limit:g}): the device or the model is hung",
+            retry_after_s=1,
+        )  # fmt: skip
 
     @property
     def ready(self) -> bool:

@@ -552,3 +552,23 @@ def test_a_hung_engine_fails_liveness_in_every_api_process_until_it_answers_agai
     assert "has said nothing for" in hung.json()["error"] and hung.headers["retry-after"] == "1"
     assert (v2.status_code, v2.json()) == (503, {"live": False})
     assert after.status_code == 200, after.text
+
+
+def test_a_hung_forward_pass_in_the_engine_fails_liveness_in_every_api_process(tmp_path):
+    def answers(times: int = 8) -> set[int]:  # a connection each: either API process
+        return {httpx.get(f"{server.url}/health/live", timeout=10).status_code
+                for _ in range(times)}  # fmt: skip
+
+    with (
+        gated_replica(tmp_path, "--forward-timeout-s", "1") as server,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        (tmp_path / "gate").unlink()
+        held = pool.submit(infer, server.url, {"inputs": ["hold it"]}, 60)
+        poll(lambda: answers() == {503}, 30)
+        hung = httpx.get(f"{server.url}/health/live", timeout=10)
+        (tmp_path / "gate").touch()
+        assert held.result(60).status_code == 200
+        poll(lambda: answers() == {200}, 30)
+    assert hung.json()["error_type"] == "model_hung", hung.text
+    assert "--forward-timeout-s 1" in hung.json()["error"]

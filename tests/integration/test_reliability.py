@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.fakes import BREAK_THE_LOOP, DEVICE_FAULT, STALL_THE_LOOP
+from tests.fakes import BREAK_THE_LOOP, DEVICE_FAULT, GATE_ENV, STALL_THE_LOOP
 from tests.rawhttp import read_response, send_request
 from tests.servers import queue_depth, run_server, wait_ready
 
@@ -254,3 +254,32 @@ def test_a_hung_event_loop_writes_every_stack_and_exits_1(tmp_path):
     log = server.log()
     assert "Timeout (0:00:02)!" in log
     assert "in scripted_items" in log  # where the loop was stuck, in its stack
+
+
+def test_a_forward_pass_past_its_timeout_fails_liveness_until_it_returns(tmp_path):
+    """A hung device holds the model thread: the event loop answers on, so only a liveness
+    that looks at the model thread gets the replica restarted."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    with (
+        run_server(
+            tmp_path, "--model", "python:tests.fakes:file_gated_model", "--sizer", "fixed",
+            "--forward-timeout-s", "1", ready_timeout_s=60, env={GATE_ENV: str(gate)},
+        ) as server,
+        ThreadPoolExecutor(1) as pool,
+    ):  # fmt: skip
+        live = f"{server.url}/health/live"
+        assert httpx.get(live, timeout=10).status_code == 200
+        gate.unlink()
+        held = pool.submit(
+            httpx.post, f"{server.url}/v1/infer", json={"inputs": "hold it"}, timeout=60
+        )  # fmt: skip
+        poll(lambda: httpx.get(live, timeout=10).status_code == 503, 30)
+        hung = httpx.get(live, timeout=10)
+        v2 = httpx.get(f"{server.url}/v2/health/live", timeout=10)
+        gate.touch()
+        assert held.result(60).status_code == 200
+        poll(lambda: httpx.get(live, timeout=10).status_code == 200, 30)
+    assert hung.json()["error_type"] == "model_hung" and hung.headers["retry-after"] == "1"
+    assert "--forward-timeout-s 1" in hung.json()["error"]
+    assert (v2.status_code, v2.json()) == (503, {"live": False})
