@@ -1,9 +1,12 @@
+import http.server
+import io
 import os
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -243,4 +246,37 @@ def test_a_replica_that_never_answers_its_liveness_question_never_holds_the_loop
             assert process.wait(30) == -signal.SIGKILL
         finally:
             process.kill()
+            runner._questions.shutdown()
+
+
+def test_a_restarted_replica_is_asked_whether_it_is_ready_without_holding_the_loop(tmp_path):
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    runner = launcher.Launcher(LauncherSettings(), Settings(), [], out=io.StringIO())
+    with socket.create_server(("127.0.0.1", 0)) as hung, \
+            http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready) as ready, \
+            subprocess.Popen(["sleep", "60"]) as process:  # fmt: skip
+        threading.Thread(target=ready.serve_forever, daemon=True).start()
+        child = launcher.Child("replica-0", process, tmp_path / "log",
+                               url=f"http://127.0.0.1:{hung.getsockname()[1]}")  # fmt: skip
+        try:
+            runner._check_ready(child)  # returns at once: the question is out
+            assert child.readiness is not None and not child.readiness.done()
+            assert child.readiness.result(timeout=30) is False  # its 2 s passed meanwhile
+            runner._check_ready(child)
+            assert not child.ready and child.readiness is None
+            child.url = f"http://127.0.0.1:{ready.server_address[1]}"
+            runner._check_ready(child)
+            child.readiness.result(timeout=30)
+            runner._check_ready(child)
+            assert child.ready
+        finally:
+            process.kill()
+            ready.shutdown()
             runner._questions.shutdown()

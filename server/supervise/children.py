@@ -60,6 +60,7 @@ class Child:
     next_liveness_s: float = 0.0  # when /health/live is asked next (while ready)
     unanswered: int = 0  # /health/live questions in a row without a 200
     liveness: Future[str | None] | None = None  # the question in flight: its problem, if any
+    readiness: Future[bool] | None = None  # while not ready: the question in flight
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -80,6 +81,14 @@ def ask_live(url: str, timeout_s: float) -> str | None:
     except httpx.TransportError as exc:
         return f"failed: {exc!r}"
     return None if status == 200 else f"answered {status}"
+
+
+def ask_ready(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``url`` (a replica's /health/ready) answered 200 within ``timeout_s``."""
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def describe_exit(returncode: int | None) -> str:

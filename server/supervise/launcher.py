@@ -32,6 +32,7 @@ from .children import (
     Child,
     StopRequest,
     ask_live,
+    ask_ready,
     describe_exit,
     die_with_parent,
     next_backoff,
@@ -308,26 +309,21 @@ class Launcher:
         """Wait for Ctrl-C/SIGTERM. A dead replica is reported and restarted with backoff
         (Nginx routes around it meanwhile); a dead Nginx ends the launch."""
         assert self.nginx is not None
-        with httpx.Client(timeout=2) as client:
-            while not self.stop_requested.wait(POLL_S):
-                if not self.nginx.alive():
-                    log.error("nginx exited with %s:\n%s", self.nginx.process.returncode,
-                              self.nginx.log_tail())  # fmt: skip
-                    return 1
-                for child in self.replicas:
-                    self._watch(child, client)
+        while not self.stop_requested.wait(POLL_S):
+            if not self.nginx.alive():
+                log.error("nginx exited with %s:\n%s", self.nginx.process.returncode,
+                          self.nginx.log_tail())  # fmt: skip
+                return 1
+            for child in self.replicas:
+                self._watch(child)
         self._say("batchfit up: stopping")
         return 0
 
-    def _watch(self, child: Child, client: httpx.Client) -> None:
+    def _watch(self, child: Child) -> None:
         now = time.monotonic()
         if child.alive():
             if not child.ready:
-                with contextlib.suppress(httpx.TransportError):
-                    if client.get(f"{child.url}/health/ready").status_code == 200:
-                        child.ready = True
-                        self._say(f"{child.name}: ready again (pid {child.process.pid}, "
-                                  f"restart {child.num_restarts})")  # fmt: skip
+                self._check_ready(child)
             else:
                 self._check_liveness(child, now)
             return
@@ -338,6 +334,7 @@ class Launcher:
         # Just found dead.
         child.ready = False
         child.unanswered, child.next_liveness_s, child.liveness = 0, 0.0, None
+        child.readiness = None
         uptime_s = now - child.started_s
         how = describe_exit(child.process.returncode)
         if not self.settings.restart:
@@ -355,6 +352,21 @@ class Launcher:
                     "restarting it in %.1fs. Its log: %s\n%s", child.name, child.process.pid,
                     how, uptime_s, child.backoff_s, child.log_path,
                     child.log_tail(10))  # fmt: skip
+
+    def _check_ready(self, child: Child) -> None:
+        """Ask a replica that is not ready (restarted) whether it is, on a thread, as
+        ``_check_liveness`` asks: one that hangs while it starts holds no loop either."""
+        asked = child.readiness
+        if asked is None:
+            child.readiness = self._questions.submit(ask_ready, f"{child.url}/health/ready")
+            return
+        if not asked.done():
+            return
+        child.readiness = None
+        if asked.result():
+            child.ready = True
+            self._say(f"{child.name}: ready again (pid {child.process.pid}, "
+                      f"restart {child.num_restarts})")  # fmt: skip
 
     def _check_liveness(self, child: Child, now: float) -> None:
         """Ask a ready replica's /health/live every ``liveness_period_s``, on a thread; after
