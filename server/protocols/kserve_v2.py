@@ -103,7 +103,12 @@ async def server_metadata(request: Request) -> Response:
 @router.get(
     "/v2/health/live",
     response_model=LiveResponse,
-    responses={503: {"model": LiveResponse, "description": "Not live (a silent engine)"}},
+    responses={
+        503: {
+            "model": LiveResponse,
+            "description": "Not live (a hung forward pass, or a silent engine)",
+        }
+    },
     summary="Server live (200 live, 503 not)",
 )
 async def server_live(request: Request) -> Response:
