@@ -171,6 +171,15 @@ def add_bulk_flags(parser: argparse.ArgumentParser, task: str) -> None:
         help="Start again: delete the parts, manifest and rejects already in --out.",
     )
     add(
+        "--forward-timeout-s",
+        type=float,
+        default=300.0,
+        help="Once warmed up, a forward pass running for longer than this, and ten times "
+        "as long as the job's passes so far predict for it, means a hung device or model: "
+        "every thread's stack is logged, the parts already computed are written and the job "
+        "exits with status 3 (rerun to resume); 0: never (default: 300).",
+    )
+    add(
         "--progress",
         default="auto",
         choices=("auto", "bar", "log"),
@@ -207,6 +216,7 @@ def spec_from_args(args: argparse.Namespace) -> JobSpec:
         part_rows=args.part_rows, max_batch_size=args.max_batch_size,
         max_batch_tokens=args.max_batch_tokens, memory_headroom=args.memory_headroom,
         memory_limit=memory_limit, strict=args.strict, overwrite=args.overwrite,
+        forward_timeout_s=args.forward_timeout_s,
     )  # fmt: skip
 
 
@@ -221,7 +231,8 @@ def bulk_command_line(argv: list[str], *, own_process: bool = False) -> int:
 
 def bulk_main(args: argparse.Namespace, *, own_process: bool = False) -> int:
     """Run the job ``args`` describe; 0 when it finished, 2 for a job that cannot run as
-    given, 1 when it failed on the way, 130 when interrupted (rerun to resume).
+    given, 1 when it failed on the way, 3 when a forward pass hung and 130 when interrupted
+    (rerun to resume, in both).
     ``own_process``: nothing else runs in this process, whose heap is then frozen out of
     garbage collection once the model is loaded (``run_job``'s ``freeze_heap``); a caller
     that goes on (a test) keeps its collector as it was."""

@@ -7,11 +7,14 @@ thread reads and tokenizes the next part meanwhile, and a writer thread writes t
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import gc
 import hashlib
 import inspect
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -34,6 +37,7 @@ from models import (
 from models.custom import is_entry_point
 from models.loading import resolve_model_path
 
+from .hang import SLOWER, PassWatch
 from .manifest import Manifest
 from .pipeline import END, PartInput, PartOutput, PartReader, PartWriter, Worker
 from .progress import Progress, describe_budget, duration, size
@@ -45,6 +49,10 @@ from .writer import output_schema, output_table
 log = logging.getLogger("batchfit.bulk")
 
 TASKS = ("embed", "classify", "rerank")
+EXIT_HUNG = 3
+"""The exit status of a job ended by a hung forward pass (``forward_timeout_s``)."""
+HUNG_WRITE_S = 60.0
+"""How long a hung job waits for the parts already computed to be written before it ends."""
 COMMAND_OF_TASK = {"embed": "embed", "classify": "classify", "rerank": "rerank"}
 
 
@@ -77,6 +85,8 @@ class JobSpec:
     memory_limit: int | None = None
     strict: bool = False
     overwrite: bool = False
+    forward_timeout_s: float = 300.0
+    """Once warmed up, a pass running this long ends the job (``EXIT_HUNG``); 0: never."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -85,6 +95,8 @@ class JobSpec:
             raise JobError(f"--part-rows must be at least 1, got {self.part_rows}")
         if self.dimensions is not None and self.task != "embed":
             raise JobError("--dimensions applies to embeddings only")
+        if not self.forward_timeout_s >= 0:
+            raise JobError(f"--forward-timeout-s must be 0 or more, got {self.forward_timeout_s}")
 
     def fields(self) -> Fields:
         query = self.query_field if self.task == "rerank" else None
@@ -134,7 +146,9 @@ def run_job(
 ) -> JobSummary:
     """Run ``spec`` to the end (or resume it); ``model`` replaces loading ``spec.model``.
     ``freeze_heap``: the process does nothing else (the command line): once the model is
-    loaded, what is alive is moved out of garbage collection (``freeze_loaded_heap``)."""
+    loaded, what is alive is moved out of garbage collection (``freeze_loaded_heap``).
+    A forward pass that hangs past ``spec.forward_timeout_s`` ends the process
+    (``_end_hung_job``): nothing else can end the thread it holds."""
     started = time.perf_counter()
     progress = progress or Progress()
     files = expand_inputs(spec.inputs, spec.input_format)
@@ -197,6 +211,14 @@ def run_job(
         lanes = runner.use_lanes()
         if lanes is not None:
             log.info("forward passes: %s (memory cannot bind them)", lanes)
+        if spec.forward_timeout_s:
+            runner.watch = PassWatch(
+                spec.forward_timeout_s,
+                lambda running_s, bound_s: _end_hung_job(
+                    spec, running_s, bound_s, writer, writer_thread, progress
+                ),
+            )
+            runner.watch.start()
         go.set()
         try:
             skipped, compute_s, memory_rejects = _run_parts(
@@ -214,6 +236,8 @@ def run_job(
         stop.set()
         go.set()  # a reader still waiting to start sees the stop and ends
         if runner is not None:
+            if runner.watch is not None:
+                runner.watch.close()
             runner.close()
         progress.close()
         manifest.close()
@@ -295,14 +319,52 @@ def _put(writer: PartWriter, writer_thread: Worker, output: PartOutput) -> None:
             continue
 
 
-def _finish_writing(writer: PartWriter, writer_thread: Worker) -> None:
-    while writer_thread.is_alive():
+def _finish_writing(
+    writer: PartWriter, writer_thread: Worker, timeout_s: float | None = None
+) -> bool:
+    """Let the writer write what it holds, then end; whether it ended (within ``timeout_s``,
+    where given)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while writer_thread.is_alive() and (deadline is None or time.monotonic() < deadline):
         try:
             writer.parts.put(END, timeout=0.5)
             break
         except queue.Full:
             continue
-    writer_thread.join()
+    writer_thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not writer_thread.is_alive()
+
+
+def _end_hung_job(
+    spec: JobSpec, running_s: float, bound_s: float, writer: PartWriter,
+    writer_thread: Worker, progress: Progress,
+) -> None:  # fmt: skip
+    """On the watch's thread, once a forward pass has run past ``bound_s`` (at least
+    ``spec.forward_timeout_s``): every thread's stack to standard error, the parts already
+    computed written (within ``HUNG_WRITE_S``), then the process ends with ``EXIT_HUNG``.
+    Nothing can interrupt the pass (it is in torch's C++ or the driver); the manifest lets a
+    rerun resume."""
+    if bound_s > spec.forward_timeout_s:
+        past = f"{SLOWER:g} times as long as the job's passes so far predict ({bound_s:.0f}s)"
+    else:
+        past = f"--forward-timeout-s {spec.forward_timeout_s:g}"
+    log.error(
+        "a forward pass has run for %.0fs, past %s: the device or the model hangs; every "
+        "thread's stack follows, then the job ends once the parts already computed are "
+        "written", running_s, past,
+    )  # fmt: skip
+    faulthandler.dump_traceback(all_threads=True)
+    written = _finish_writing(writer, writer_thread, HUNG_WRITE_S)
+    progress.close()
+    if written:
+        kept = "the parts computed before it are written"
+    else:
+        kept = f"the writer did not finish within {HUNG_WRITE_S:.0f}s"
+    print(
+        f"batchfit {spec.task}: a forward pass hung; {kept}: run the same command again "
+        "to resume", file=sys.stderr, flush=True,
+    )  # fmt: skip
+    os._exit(EXIT_HUNG)
 
 
 def _raise_from(worker: Worker) -> None:

@@ -37,6 +37,7 @@ from batching import (
 )
 from models import Item, Model, ModelOutOfMemory
 
+from .hang import PassWatch
 from .lanes import Lanes, lane_shape, torch_threads
 from .plan import plan_window, time_prior
 
@@ -164,6 +165,9 @@ class Runner:
         self.stats = RunStats()
         self.lanes: Lanes | None = None
         """Passes side by side (``use_lanes``); None: one at a time, on the calling thread."""
+        self.watch: PassWatch | None = None
+        """Watches every pass for a hang (``bulk.hang``); None: none is watched."""
+        self._seconds_per_unit = 0.0  # the slowest pass so far, per unit of ``time_prior``
         self._guard = threading.RLock()  # the sizer and the stats, between lanes
         info = model.info
         self.device_type = info.device.partition(":")[0]
@@ -305,9 +309,23 @@ class Runner:
         # Side by side, a pass's peak is the process's, its neighbour's included: not measured.
         probe = self.probe if self.lanes is None else None
         return measured_forward(
-            self.model.forward, items, probe=probe, oom_errors=(ModelOutOfMemory,),
+            self._timed_forward, items, probe=probe, oom_errors=(ModelOutOfMemory,),
             settle=settle,
         )  # fmt: skip
+
+    def _timed_forward(self, items: Sequence[Item]) -> list[Any]:
+        """``model.forward``, watched (``watch``) and timed: the slowest pass so far, in
+        seconds per unit of the time prior, says how long the next one should take."""
+        units = self.time_prior.predict(len(items), max((item.cost for item in items), default=1))
+        watch = self.watch
+        started = time.perf_counter()
+        expected_s = self._seconds_per_unit * units
+        with watch.passing(expected_s) if watch is not None else contextlib.nullcontext():
+            outputs = self.model.forward(items)
+        rate = (time.perf_counter() - started) / units
+        with self._guard:
+            self._seconds_per_unit = max(self._seconds_per_unit, rate)
+        return outputs
 
     def run(
         self, items: Sequence[Item], on_batch: Callable[[int, int], None] | None = None

@@ -4,7 +4,9 @@ the text alone (so any batching gives the same bytes), batches recorded."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,3 +84,36 @@ def fake_embedder() -> FakeEmbedder:
 
 def other_fake_embedder() -> FakeEmbedder:
     return FakeEmbedder(name="other")
+
+
+HANG_THE_PASS = "hang the pass"
+HANG_ENV = "BATCHFIT_FAKE_HANG"
+SLOW_WRITE_ENV = "BATCHFIT_FAKE_SLOW_WRITE_S"
+
+
+class HangingEmbedder(FakeEmbedder):
+    """With ``BATCHFIT_FAKE_HANG=1`` in the environment, a pass holding the input
+    ``HANG_THE_PASS`` never returns (a hung device); without it, the same job runs through.
+    With ``BATCHFIT_FAKE_SLOW_WRITE_S``, the job's writer takes that long over each part
+    (a slow disk), so that parts are still being written when a pass hangs."""
+
+    def forward(self, items: Sequence[Item]) -> list[Any]:
+        if os.environ.get(HANG_ENV) == "1" and any(i.data == HANG_THE_PASS for i in items):
+            threading.Event().wait()
+        return super().forward(items)
+
+
+def hanging_embedder() -> HangingEmbedder:
+    """Entry point for ``--model python:tests.bulk_fakes:hanging_embedder``."""
+    slow_write_s = float(os.environ.get(SLOW_WRITE_ENV, "0"))
+    if slow_write_s:
+        import bulk.pipeline
+
+        write = bulk.pipeline.write_atomically
+
+        def slow_write(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(slow_write_s)
+            return write(*args, **kwargs)
+
+        bulk.pipeline.write_atomically = slow_write
+    return HangingEmbedder()

@@ -3,12 +3,17 @@ collection while the libraries import, and the loaded heap frozen only in a proc
 own (``python -m server embed``), never in a caller that goes on (a test)."""
 
 import gc
+import os
 import subprocess
 import sys
 
+import numpy as np
 import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from server.cli import main
+from tests.bulk_fakes import HANG_ENV, HANG_THE_PASS, SLOW_WRITE_ENV, expected_embedding
 from tests.servers import ROOT
 
 SERVER_ONLY = ("fastapi", "uvicorn", "aiohttp", "server.app", "bench.cli")
@@ -51,3 +56,43 @@ def test_only_a_job_in_its_own_process_freezes_the_heap(tmp_path, capsys):
     )  # fmt: skip
     assert job.returncode == 0, job.stderr[-2000:]
     assert "objects of the loaded model frozen out of garbage collection" in job.stderr
+
+
+def test_a_hung_pass_ends_the_job_with_every_stack_and_a_rerun_resumes_after_the_written_parts(
+    tmp_path,
+):
+    texts = [f"w {i}" for i in range(40)]
+    texts[25] = HANG_THE_PASS  # in the third part of 10 rows
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(orjson.dumps({"text": t}) + b"\n" for t in texts))
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "server", "embed", str(path), "--out", str(out), "--model",
+        "python:tests.bulk_fakes:hanging_embedder", "--part-rows", "10", "--progress", "log",
+        "--forward-timeout-s", "1",
+    ]  # fmt: skip
+    # Each part takes the writer 2.5 s: when the pass is found hung (1-2 s after it started),
+    # the first two parts are still being written, and they are before the process ends.
+    hung = subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, timeout=120,
+        env={**os.environ, HANG_ENV: "1", SLOW_WRITE_ENV: "2.5"},
+    )  # fmt: skip
+    assert hung.returncode == 3, hung.stderr[-3000:]
+    assert "past --forward-timeout-s 1: the device or the model hangs" in hung.stderr
+    # faulthandler's dump: the hung pass's own frame, in the thread that runs it
+    assert "most recent call first" in hung.stderr
+    assert "bulk_fakes.py" in hung.stderr and "in forward" in hung.stderr
+    assert (
+        "batchfit embed: a forward pass hung; the parts computed before it are written: run "
+        "the same command again to resume"
+    ) in hung.stderr
+    written = orjson.loads((out / "manifest.json").read_bytes())["parts"]
+    assert [part["first_row"] for part in written] == [0, 10]
+
+    resumed = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "parts: 2 written, 2 skipped" in resumed.stdout
+    table = pa.concat_tables([pq.read_table(p) for p in sorted(out.glob("part-*.parquet"))])
+    assert table.column("id").to_pylist() == list(range(40))
+    embeddings = np.array(table.column("embedding").to_pylist(), dtype=np.float32)
+    np.testing.assert_array_equal(embeddings, [expected_embedding(t) for t in texts])

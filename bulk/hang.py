@@ -1,0 +1,97 @@
+"""A bulk job's forward passes, watched: one that runs past a bound means a hung device or
+model, and ends the job.
+
+A pass that never returns cannot be interrupted from Python: the thread running it is inside
+torch's C++ or a driver call. Left alone, a job would wait on it for ever, the parts already
+computed unwritten. ``PassWatch`` notes when each pass starts and ends (the calling thread
+and every lane, ``passing``), and its own thread looks every ``poll_s``: once one pass has
+run past its bound, it calls ``on_hang`` once, which writes what is finished and ends the
+process (``bulk.job``). The job resumes from its manifest when run again.
+
+A pass's bound is ``timeout_s``, or ``SLOWER`` times the time the job expects the pass to
+take where that is longer: a large model on a CPU can take minutes over one large batch, and
+a fixed bound below that would end a healthy job at the same place on every rerun.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+SLOWER = 10.0
+"""A pass is hung once it has run this many times as long as expected (and ``timeout_s``)."""
+
+
+class PassWatch:
+    """``on_hang(running_s, bound_s)`` once a pass has run past its bound (``passing``);
+    ``start`` arms it."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        on_hang: Callable[[float, float], None],
+        *,
+        poll_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._on_hang = on_hang
+        self._poll_s = poll_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._running: dict[int, tuple[float, float]] = {}
+        """The pass running on each thread (by ident): when it started, and its bound."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def passing(self, expected_s: float = 0.0) -> Iterator[None]:
+        """Around one forward pass on the calling thread, expected to take ``expected_s``
+        (0: unknown)."""
+        ident = threading.get_ident()
+        bound_s = max(self.timeout_s, SLOWER * expected_s)
+        with self._lock:
+            self._running[ident] = (self._clock(), bound_s)
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._running[ident]
+
+    def running_for(self) -> float:
+        """Seconds the longest-running pass has run so far (0 with none running)."""
+        with self._lock:
+            oldest = min((started for started, _ in self._running.values()), default=None)
+        return 0.0 if oldest is None else max(0.0, self._clock() - oldest)
+
+    def check(self) -> bool:
+        """Whether a pass has run past its bound (then ``on_hang`` has been called)."""
+        now = self._clock()
+        with self._lock:
+            overdue = [(now - s, bound) for s, bound in self._running.values() if now - s >= bound]
+        if not overdue:
+            return False
+        self._on_hang(*max(overdue))
+        return True
+
+    def start(self) -> None:
+        """Look every ``poll_s`` on a thread of its own, until ``close`` or a hang."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._watch, name="batchfit-watch", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            if self.check():
+                return
