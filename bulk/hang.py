@@ -15,10 +15,14 @@ a fixed bound below that would end a healthy job at the same place on every reru
 
 from __future__ import annotations
 
+import faulthandler
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+log = logging.getLogger("batchfit.bulk")
 
 SLOWER = 10.0
 """A pass is hung once it has run this many times as long as expected (and ``timeout_s``)."""
@@ -95,3 +99,17 @@ class PassWatch:
         while not self._stop.wait(self._poll_s):
             if self.check():
                 return
+
+
+def report_hang(running_s: float, bound_s: float, timeout_s: float, then: str) -> None:
+    """Log a hung pass (what ``then`` happens), then write every thread's stack to standard
+    error (the hung pass's frames among them)."""
+    if bound_s > timeout_s:
+        past = f"{SLOWER:g} times as long as the passes so far predict ({bound_s:.0f}s)"
+    else:
+        past = f"--forward-timeout-s {timeout_s:g}"
+    log.error(
+        "a forward pass has run for %.0fs, past %s: the device or the model hangs; every "
+        "thread's stack follows, then %s", running_s, past, then,
+    )  # fmt: skip
+    faulthandler.dump_traceback(all_threads=True)

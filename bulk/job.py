@@ -7,7 +7,6 @@ thread reads and tokenizes the next part meanwhile, and a writer thread writes t
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import gc
 import hashlib
 import inspect
@@ -37,7 +36,7 @@ from models import (
 from models.custom import is_entry_point
 from models.loading import resolve_model_path
 
-from .hang import SLOWER, PassWatch
+from .hang import PassWatch, report_hang
 from .manifest import Manifest
 from .pipeline import END, PartInput, PartOutput, PartReader, PartWriter, Worker
 from .progress import Progress, describe_budget, duration, size
@@ -344,16 +343,8 @@ def _end_hung_job(
     computed written (within ``HUNG_WRITE_S``), then the process ends with ``EXIT_HUNG``.
     Nothing can interrupt the pass (it is in torch's C++ or the driver); the manifest lets a
     rerun resume."""
-    if bound_s > spec.forward_timeout_s:
-        past = f"{SLOWER:g} times as long as the job's passes so far predict ({bound_s:.0f}s)"
-    else:
-        past = f"--forward-timeout-s {spec.forward_timeout_s:g}"
-    log.error(
-        "a forward pass has run for %.0fs, past %s: the device or the model hangs; every "
-        "thread's stack follows, then the job ends once the parts already computed are "
-        "written", running_s, past,
-    )  # fmt: skip
-    faulthandler.dump_traceback(all_threads=True)
+    then = "the job ends once the parts already computed are written"
+    report_hang(running_s, bound_s, spec.forward_timeout_s, then)
     written = _finish_writing(writer, writer_thread, HUNG_WRITE_S)
     progress.close()
     if written:

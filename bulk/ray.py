@@ -25,7 +25,15 @@ import orjson
 
 from models import BUNDLED_MODEL, Model, ModelSpec, load_model, resolve_prompt
 
-from .job import check_task, finish_outputs, freeze_loaded_heap, model_fingerprint, prepare
+from .hang import PassWatch, report_hang
+from .job import (
+    EXIT_HUNG,
+    check_task,
+    finish_outputs,
+    freeze_loaded_heap,
+    model_fingerprint,
+    prepare,
+)
 from .manifest import Manifest, rows_digest
 from .readers import Fields, Reject, Row, row_problem
 from .runner import OutOfMemoryInput, Runner, build_runner
@@ -74,6 +82,7 @@ def run(
     max_batch_size: int = 128,
     max_batch_tokens: int = 4096,
     memory_headroom: float = 0.15,
+    forward_timeout_s: float = 300.0,
 ) -> Any:
     """Run ``task`` over every row of ``dataset`` (a ``ray.data.Dataset``) on an actor pool.
 
@@ -83,7 +92,13 @@ def run(
     CPUs but one, which Ray Data's read tasks need). Rows whose text is missing or empty are
     left out. Without ``out`` the result is lazy, as Ray Data's are; with it, the job runs to
     the end here (``materialize()``) and its parts and manifest are written. Returns the
-    output Dataset."""
+    output Dataset.
+
+    A forward pass that hangs (``bulk.hang``: ``forward_timeout_s``, and ten times what the
+    actor's passes so far predict for it; 0: never) ends its actor's process with every
+    thread's stack in the actor's log. Ray Data starts the actor again and retries the
+    batch, as it does by default for any actor that dies; the batches finished before it
+    are kept."""
     import ray
 
     num_actors, num_gpus, num_cpus = _actors(ray, num_actors, num_gpus_per_actor,
@@ -95,6 +110,7 @@ def run(
         "id_column": id_column, "query_column": query_column if task == "rerank" else None,
         "max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens,
         "memory_headroom": memory_headroom, "out": out,
+        "forward_timeout_s": forward_timeout_s,
         "num_threads": math.ceil(num_cpus) if num_cpus and not num_gpus else None,
         "id_type": _id_type(dataset.schema(), id_column),
         "identity": job_identity(task, model, dtype, device, max_input_tokens, text_column,
@@ -156,6 +172,12 @@ class BulkActor:
             headroom=config["memory_headroom"],
         )  # fmt: skip
         self.runner.warm_up()
+        timeout_s = config["forward_timeout_s"]
+        if timeout_s:
+            self.runner.watch = PassWatch(
+                timeout_s, lambda running_s, bound_s: _end_hung_actor(running_s, bound_s, timeout_s)
+            )
+            self.runner.watch.start()
         self.fields = Fields(config["text_column"], config["id_column"], config["query_column"])
         info = self.model.info
         self.prompt = resolve_prompt(info, config["prompt_name"], None)
@@ -223,6 +245,13 @@ class BulkActor:
             query = values[self.fields.query] if self.fields.query else None
             rows.append(Row(number, identifier, values[self.fields.text], query, "", number + 1))
         return rows, rejects
+
+
+def _end_hung_actor(running_s: float, bound_s: float, timeout_s: float) -> None:
+    """On the watch's thread: a forward pass of this actor hung. Every thread's stack to the
+    actor's log, then its process ends, for Ray to start it again and retry the batch."""
+    report_hang(running_s, bound_s, timeout_s, f"the actor exits with status {EXIT_HUNG}")
+    os._exit(EXIT_HUNG)
 
 
 def _id_type(schema: Any, id_column: str) -> str:

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -86,20 +87,23 @@ def other_fake_embedder() -> FakeEmbedder:
     return FakeEmbedder(name="other")
 
 
-HANG_THE_PASS = "hang the pass"
-HANG_ENV = "BATCHFIT_FAKE_HANG"
+HANG_ONCE = "hang once: "
 SLOW_WRITE_ENV = "BATCHFIT_FAKE_SLOW_WRITE_S"
 
 
 class HangingEmbedder(FakeEmbedder):
-    """With ``BATCHFIT_FAKE_HANG=1`` in the environment, a pass holding the input
-    ``HANG_THE_PASS`` never returns (a hung device); without it, the same job runs through.
-    With ``BATCHFIT_FAKE_SLOW_WRITE_S``, the job's writer takes that long over each part
-    (a slow disk), so that parts are still being written when a pass hangs."""
+    """A pass holding the input ``HANG_ONCE + path`` never returns (a hung device) where no
+    file is at ``path``, which it makes first: a rerun, or a retry in a process started
+    again, goes through. With ``BATCHFIT_FAKE_SLOW_WRITE_S``, the job's writer takes that long
+    over each part (a slow disk), so that parts are still being written when a pass hangs."""
 
     def forward(self, items: Sequence[Item]) -> list[Any]:
-        if os.environ.get(HANG_ENV) == "1" and any(i.data == HANG_THE_PASS for i in items):
-            threading.Event().wait()
+        for item in items:
+            if isinstance(item.data, str) and item.data.startswith(HANG_ONCE):
+                marker = Path(item.data.removeprefix(HANG_ONCE))
+                if not marker.exists():
+                    marker.touch()
+                    threading.Event().wait()
         return super().forward(items)
 
 

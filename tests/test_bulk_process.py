@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from server.cli import main
-from tests.bulk_fakes import HANG_ENV, HANG_THE_PASS, SLOW_WRITE_ENV, expected_embedding
+from tests.bulk_fakes import HANG_ONCE, SLOW_WRITE_ENV, expected_embedding
 from tests.servers import ROOT
 
 SERVER_ONLY = ("fastapi", "uvicorn", "aiohttp", "server.app", "bench.cli")
@@ -62,7 +62,7 @@ def test_a_hung_pass_ends_the_job_with_every_stack_and_a_rerun_resumes_after_the
     tmp_path,
 ):
     texts = [f"w {i}" for i in range(40)]
-    texts[25] = HANG_THE_PASS  # in the third part of 10 rows
+    texts[25] = HANG_ONCE + str(tmp_path / "hung")  # in the third part of 10 rows
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"".join(orjson.dumps({"text": t}) + b"\n" for t in texts))
     out = tmp_path / "out"
@@ -75,7 +75,7 @@ def test_a_hung_pass_ends_the_job_with_every_stack_and_a_rerun_resumes_after_the
     # the first two parts are still being written, and they are before the process ends.
     hung = subprocess.run(
         command, capture_output=True, text=True, cwd=ROOT, timeout=120,
-        env={**os.environ, HANG_ENV: "1", SLOW_WRITE_ENV: "2.5"},
+        env={**os.environ, SLOW_WRITE_ENV: "2.5"},
     )  # fmt: skip
     assert hung.returncode == 3, hung.stderr[-3000:]
     assert "past --forward-timeout-s 1: the device or the model hangs" in hung.stderr

@@ -1,6 +1,7 @@
 """``bulk.ray.embed`` on a local Ray instance (``ray.init(num_cpus=2)``) with two actors over a
 Parquet dataset: the same embeddings as ``batchfit embed`` over the same file, and the
-manifest in its output folder resuming the job and refusing another."""
+manifest in its output folder resuming the job and refusing another; an actor whose pass
+hangs, ended and started again by Ray."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bulk import ManifestMismatch
+from tests.bulk_fakes import HANG_ONCE, expected_embedding
 from tests.ci import unavailable
 from tests.servers import ROOT
 
@@ -101,3 +103,26 @@ def test_two_actors_give_the_single_process_embeddings_and_resume(cluster, tmp_p
     )
     with pytest.raises(ManifestMismatch, match="holds the results of another job"):
         bulk.ray.embed(dataset(path), dtype="bfloat16", **options)
+
+
+@pytest.mark.timeout(300)
+def test_an_actor_whose_pass_hangs_ends_and_ray_retries_its_batch_on_a_new_one(cluster, tmp_path):
+    import bulk.ray
+
+    marker = tmp_path / "hung"
+    texts = [f"row {i} " + "w " * (i % 7) for i in range(60)]
+    texts[45] = HANG_ONCE + str(marker)
+    data = ray.data.from_arrow(pa.table({"id": list(range(60)), "text": texts}))
+    result = bulk.ray.embed(
+        data.repartition(3), model="python:tests.bulk_fakes:hanging_embedder", num_actors=1,
+        num_cpus_per_actor=0.5, batch_rows=20, out=str(tmp_path / "out"), forward_timeout_s=1,
+    )  # fmt: skip
+    # The pass holding row 45 hung in the first actor (it left the marker), which never
+    # returns from it: the batch was computed again in an actor started after it.
+    assert marker.exists()
+    got = by_id(pa.concat_tables(ray.get(result.to_arrow_refs())))
+    assert got.keys() == set(range(60))
+    for i, text in enumerate(texts):
+        np.testing.assert_array_equal(got[i], expected_embedding(text))
+    listed = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())
+    assert listed["complete"] and listed["rows"] == 60
