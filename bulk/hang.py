@@ -1,12 +1,13 @@
 """A bulk job's forward passes, watched: one that runs past a bound means a hung device or
-model, and ends the job.
+model, and ends the process (the job's, or a Ray actor's).
 
 A pass that never returns cannot be interrupted from Python: the thread running it is inside
 torch's C++ or a driver call. Left alone, a job would wait on it for ever, the parts already
 computed unwritten. ``PassWatch`` notes when each pass starts and ends (the calling thread
 and every lane, ``passing``), and its own thread looks every ``poll_s``: once one pass has
 run past its bound, it calls ``on_hang`` once, which writes what is finished and ends the
-process (``bulk.job``). The job resumes from its manifest when run again.
+process (``bulk.job``; ``bulk.ray``, where Ray starts the actor again). The job resumes from
+its manifest when run again.
 
 A pass's bound is ``timeout_s``, or ``SLOWER`` times the time the job expects the pass to
 take where that is longer: a large model on a CPU can take minutes over one large batch, and
@@ -101,13 +102,16 @@ class PassWatch:
                 return
 
 
-def report_hang(running_s: float, bound_s: float, timeout_s: float, then: str) -> None:
-    """Log a hung pass (what ``then`` happens), then write every thread's stack to standard
-    error (the hung pass's frames among them)."""
+def report_hang(
+    running_s: float, bound_s: float, timeout_s: float, then: str, *,
+    option: str = "--forward-timeout-s",
+) -> None:  # fmt: skip
+    """Log a hung pass (``option``: the name of ``timeout_s``; ``then``: what happens next),
+    then write every thread's stack to standard error (the hung pass's frames among them)."""
     if bound_s > timeout_s:
         past = f"{SLOWER:g} times as long as the passes so far predict ({bound_s:.0f}s)"
     else:
-        past = f"--forward-timeout-s {timeout_s:g}"
+        past = f"{option} {timeout_s:g}"
     log.error(
         "a forward pass has run for %.0fs, past %s: the device or the model hangs; every "
         "thread's stack follows, then %s", running_s, past, then,

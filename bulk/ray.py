@@ -250,7 +250,8 @@ class BulkActor:
 def _end_hung_actor(running_s: float, bound_s: float, timeout_s: float) -> None:
     """On the watch's thread: a forward pass of this actor hung. Every thread's stack to the
     actor's log, then its process ends, for Ray to start it again and retry the batch."""
-    report_hang(running_s, bound_s, timeout_s, f"the actor exits with status {EXIT_HUNG}")
+    then = f"the actor exits with status {EXIT_HUNG}"
+    report_hang(running_s, bound_s, timeout_s, then, option="forward_timeout_s")
     os._exit(EXIT_HUNG)
 
 
