@@ -99,6 +99,8 @@ def run(
     thread's stack in the actor's log. Ray Data starts the actor again and retries the
     batch, as it does by default for any actor that dies; the batches finished before it
     are kept."""
+    if not forward_timeout_s >= 0:
+        raise ValueError(f"forward_timeout_s must be 0 or more, got {forward_timeout_s}")
     import ray
 
     num_actors, num_gpus, num_cpus = _actors(ray, num_actors, num_gpus_per_actor,

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+import bulk.ray
 from bulk import JobError, JobSpec
 from bulk.hang import PassWatch
 from bulk.runner import Runner, make_sizer
@@ -130,3 +131,5 @@ def test_the_bound_is_zero_for_never_or_positive():
         JobSpec(("in.jsonl",), "out", forward_timeout_s=-1)
     with pytest.raises(ValueError, match="positive"):
         PassWatch(0, lambda *hang: None)
+    with pytest.raises(ValueError, match="forward_timeout_s must be 0 or more"):
+        bulk.ray.embed(None, forward_timeout_s=-1)  # refused before Ray is asked anything
