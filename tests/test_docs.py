@@ -1,5 +1,6 @@
 """The generated parts of the user docs match the code: flags from Settings, error types from
-server/errors.py, metrics from a replica's registry."""
+server/errors.py, metrics from a replica's registry; and the bulk commands' hand-written flag
+table has every flag they take."""
 
 import re
 
@@ -104,3 +105,20 @@ def test_user_docs_carry_no_development_notes():
             found += [f"{path.name}:{number}: {line}" for pattern in DEVELOPMENT_NOTES
                       if re.search(pattern, line, re.IGNORECASE)]  # fmt: skip
     assert found == []
+
+
+def test_the_bulk_flag_table_lists_every_flag_of_the_bulk_commands_and_no_other():
+    import argparse
+
+    from bulk.cli import COMMANDS, add_bulk_flags
+
+    flags: set[str] = set()
+    for task in COMMANDS:
+        parser = argparse.ArgumentParser()
+        add_bulk_flags(parser, task)
+        flags |= {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    flags.discard("--help")
+    text = (ROOT / "docs" / "bulk.md").read_text()
+    table = text.split("\n## Flags\n", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(--[a-z-]+)[` ]", table, re.MULTILINE))
+    assert documented == flags
