@@ -44,8 +44,17 @@ class RunResult:
 
 
 def encode_bodies(requests: Sequence[Sequence[str]]) -> list[bytes]:
-    """Bodies are encoded before the clock starts, so the client spends less CPU under load."""
-    return [orjson.dumps({"inputs": list(inputs)}) for inputs in requests]
+    """Bodies are encoded before the clock starts, so the client spends less CPU under load.
+    A request repeated as the same object (``[inputs] * n``, a load without an end) is
+    encoded once: a million encodings took 3 s of a 2-CPU host, per run and client process."""
+    encoded: dict[int, tuple[Sequence[str], bytes]] = {}  # each request held: ids stay unique
+    bodies = []
+    for inputs in requests:
+        seen = encoded.get(id(inputs))
+        if seen is None:
+            seen = encoded[id(inputs)] = (inputs, orjson.dumps({"inputs": list(inputs)}))
+        bodies.append(seen[1])
+    return bodies
 
 
 HEADERS = {"content-type": "application/json"}

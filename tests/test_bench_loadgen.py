@@ -8,7 +8,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from bench.loadgen import CLIENTS, closed_loop, in_turn, open_loop
+from bench.loadgen import CLIENTS, closed_loop, encode_bodies, in_turn, open_loop
 
 
 async def start_site(infer) -> tuple[web.AppRunner, str]:
@@ -139,3 +139,12 @@ async def test_in_turn_sends_each_request_to_both_servers_one_at_a_time(two_serv
         assert all(o.status == 200 for o in run.outcomes)
         # Each server's wall time is the time its own requests took.
         assert run.wall_s == pytest.approx(sum(o.latency_s for o in run.outcomes))
+
+
+def test_a_request_repeated_as_one_object_is_encoded_once_and_fresh_ones_each_anew():
+    repeated = ["same"]
+    bodies = encode_bodies([repeated] * 1000)
+    assert bodies[0] == b'{"inputs":["same"]}' and all(b is bodies[0] for b in bodies)
+    # Lists made one at a time and dropped could share an address: each is its own body.
+    fresh = encode_bodies([f"text {i}"] for i in range(1000))
+    assert fresh == [orjson.dumps({"inputs": [f"text {i}"]}) for i in range(1000)]
