@@ -233,6 +233,15 @@ class Settings(BaseSettings):
         "device or model: /health/live answers 503 model_hung, so that the kubelet or batchfit "
         "up restarts the replica; 0: never. Keep it above the longest batch.",
     )
+    forward_exit_s: float | None = Field(
+        None,
+        ge=0,
+        description="Once ready, a forward pass running for longer than this ends the process: "
+        "every thread's stack to the log and exit status 1, for a supervisor that sees only "
+        "exits (Docker Compose); default: twice --forward-timeout-s; 0: never. At least "
+        "--forward-timeout-s, so that a liveness probe restarts the replica first where one "
+        "runs.",
+    )
     hang_timeout_s: float = Field(
         30.0,
         ge=0,
@@ -298,12 +307,25 @@ class Settings(BaseSettings):
                 raise ValueError(f"api_key_file {self.api_key_file} holds no key")
         return self
 
+    @property
+    def forward_exit_after_s(self) -> float:
+        """``forward_exit_s``, its default (twice ``forward_timeout_s``) resolved; 0: never."""
+        if self.forward_exit_s is None:
+            return 2 * self.forward_timeout_s
+        return self.forward_exit_s
+
     @model_validator(mode="after")
     def _check_timeouts(self) -> Settings:
         if self.default_timeout_s > self.max_timeout_s:
             raise ValueError(
                 f"default_timeout_s ({self.default_timeout_s}) exceeds "
                 f"max_timeout_s ({self.max_timeout_s})"
+            )
+        if self.forward_exit_s and self.forward_exit_s < self.forward_timeout_s:
+            raise ValueError(
+                f"forward_exit_s ({self.forward_exit_s}) is below forward_timeout_s "
+                f"({self.forward_timeout_s}): a hung replica would exit before its liveness "
+                "says so"
             )
         return self
 

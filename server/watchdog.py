@@ -9,6 +9,11 @@ neither the loop nor the GIL) writes every thread's stack to stderr, under a
 policy, the kubelet, ``batchfit up``, or the engine for an API process) starts it again.
 NOTE: a process stopped for longer than ``timeout_s`` (SIGSTOP, ``docker pause``) exits as
 soon as it runs again: the timer's thread wakes before the loop can re-arm it.
+
+A hung device or model holds the model thread while the loop runs on: ``/health/live``
+reports it (``--forward-timeout-s``) for a liveness probe to act on, and
+``exit_when_forward_hangs`` ends the process later still, for supervisors that see only
+exits.
 """
 
 from __future__ import annotations
@@ -16,7 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
-from collections.abc import Iterator
+import logging
+import os
+from collections.abc import Callable, Iterator
+
+log = logging.getLogger(__name__)
 
 PERIOD_S = 1.0
 """How often the loop re-arms the timer (more often for a timeout under 4 s). A re-arm ends
@@ -61,3 +70,24 @@ def loop_watchdog(timeout_s: float) -> Iterator[None]:
         yield
     finally:
         watchdog.stop()
+
+
+async def exit_when_forward_hangs(
+    running_for: Callable[[], float], exit_s: float, *, period_s: float = PERIOD_S
+) -> None:
+    """Look every ``period_s``; once the call on the model thread has run for ``exit_s``
+    (``running_for``), write every thread's stack to stderr and end the process with status
+    1. Its pass cannot be interrupted, and a process exit is all Docker Compose's restart
+    policy sees."""
+    while True:
+        await asyncio.sleep(period_s)
+        running_s = running_for()
+        if running_s < exit_s:
+            continue
+        log.error(
+            "a forward pass has run for %.0fs, past --forward-exit-s %g: the device or the "
+            "model is hung; every thread's stack follows, then the process exits with status "
+            "1 for its supervisor to restart it", running_s, exit_s,
+        )  # fmt: skip
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(1)

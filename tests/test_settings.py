@@ -66,6 +66,19 @@ def test_bad_values_are_refused_with_the_value_shown(field, value, message):
     assert str(value) in str(info.value)
 
 
+def test_a_hung_pass_ends_the_process_at_twice_the_liveness_bound_unless_told():
+    assert Settings().forward_exit_after_s == 600
+    assert Settings(forward_timeout_s=900).forward_exit_after_s == 1800
+    assert Settings(forward_timeout_s=0).forward_exit_after_s == 0  # liveness off: exit too
+    assert Settings(forward_exit_s=0).forward_exit_after_s == 0
+    assert Settings(forward_exit_s=300).forward_exit_after_s == 300
+    assert settings_from_args(build_parser().parse_args(
+        ["serve", "--forward-timeout-s", "1", "--forward-exit-s", "2.5"]
+    )).forward_exit_after_s == 2.5  # fmt: skip
+    with pytest.raises(ValidationError, match="would exit before its liveness says so"):
+        Settings(forward_timeout_s=10, forward_exit_s=5)
+
+
 def test_default_timeout_cannot_exceed_the_cap():
     with pytest.raises(ValidationError, match=r"default_timeout_s \(100.0\) exceeds"):
         Settings(default_timeout_s=100, max_timeout_s=10)

@@ -42,6 +42,7 @@ from ..cache import InputCache, stored_value
 from ..errors import ApiError, deadline_exceeded, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
+from ..watchdog import exit_when_forward_hangs
 from .announce import ready_line
 from .contention import ThreadGuard
 from .slot import ModelSlot, by_name, make_sizer, make_slots, prepare_call, tokenize_inline
@@ -119,6 +120,7 @@ class Runtime:
         self._on_ready = on_ready
         self._task: asyncio.Task[None] | None = None
         self._release_task: asyncio.Task[None] | None = None
+        self._forward_watch: asyncio.Task[None] | None = None
         self._started = False
         self.phase = "starting"
         """Where start-up is, as the log says it if the replica is stopped there."""
@@ -257,6 +259,11 @@ class Runtime:
                 self._release_memory_when_quiet(self.settings.memory_release_idle_s),
                 name="batchfit-release-memory",
             )
+        if exit_s := self.settings.forward_exit_after_s:
+            self._forward_watch = asyncio.create_task(
+                exit_when_forward_hangs(self.model_thread.running_for, exit_s),
+                name="batchfit-forward-watch",
+            )
         if self._on_ready is not None:
             self._on_ready()  # before readiness: nothing is in flight yet
         self._started = True
@@ -345,10 +352,11 @@ class Runtime:
             )  # fmt: skip
             if busy:
                 self._aborted = True
-        if self._release_task is not None:
-            self._release_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._release_task
+        for task in (self._release_task, self._forward_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._task is not None:
             self._task.cancel()
             # A crashed batcher's exception was logged when it ended.

@@ -256,6 +256,33 @@ def test_a_hung_event_loop_writes_every_stack_and_exits_1(tmp_path):
     assert "in scripted_items" in log  # where the loop was stuck, in its stack
 
 
+def test_a_forward_pass_past_its_exit_bound_ends_the_replica_with_every_stack(tmp_path):
+    """Liveness says a forward pass is hung, but under Docker Compose nothing asks: the
+    replica ends itself, later, for the restart policy that sees only exits."""
+    gate = tmp_path / "gate"  # never made: the held pass would wait 120 s
+    with (
+        run_server(
+            tmp_path, "--model", "python:tests.fakes:file_gated_model", "--sizer", "fixed",
+            "--forward-timeout-s", "1", "--forward-exit-s", "3", ready_timeout_s=60,
+            env={GATE_ENV: str(gate)},
+        ) as server,
+        ThreadPoolExecutor(1) as pool,
+    ):  # fmt: skip
+        held = pool.submit(
+            httpx.post, f"{server.url}/v1/infer", json={"inputs": "hold it"}, timeout=60
+        )  # fmt: skip
+        started = time.monotonic()
+        poll(lambda: httpx.get(f"{server.url}/health/live", timeout=10).status_code == 503, 30)
+        assert server.process.wait(30) == 1
+        ended_s = time.monotonic() - started
+        with pytest.raises(httpx.TransportError):  # its connection went with the process
+            held.result()
+    log = server.log()
+    assert "past --forward-exit-s 3: the device or the model is hung" in log
+    assert "most recent call first" in log and "in forward" in log  # the held pass's stack
+    assert 2 <= ended_s < 20, ended_s
+
+
 def test_a_forward_pass_past_its_timeout_fails_liveness_until_it_returns(tmp_path):
     """A hung device holds the model thread: the event loop answers on, so only a liveness
     that looks at the model thread gets the replica restarted."""
