@@ -147,6 +147,9 @@ def test_failover_policy(nginx_conf):
     up = LauncherSettings()
     found_s = up.liveness_failures * (up.liveness_period_s + up.liveness_timeout_s)
     assert found_s < seconds(retry_time)
+    # A hung forward pass: the launcher's probe restarts the replica before it ends itself.
+    served = Settings()
+    assert served.forward_timeout_s + found_s < served.forward_exit_after_s
     for server in directive(nginx_conf, "server"):
         assert "max_fails=" in server and "fail_timeout=" in server
     # Nginx waits longer than any replica's own deadline.
