@@ -88,17 +88,21 @@ def other_fake_embedder() -> FakeEmbedder:
 
 
 HANG_ONCE = "hang once: "
+HANG_ALWAYS = "hang: "
 SLOW_WRITE_ENV = "BATCHFIT_FAKE_SLOW_WRITE_S"
 
 
 class HangingEmbedder(FakeEmbedder):
     """A pass holding the input ``HANG_ONCE + path`` never returns (a hung device) where no
     file is at ``path``, which it makes first: a rerun, or a retry in a process started
-    again, goes through. With ``BATCHFIT_FAKE_SLOW_WRITE_S``, the job's writer takes that long
+    again, goes through. A pass holding an input that starts with ``HANG_ALWAYS`` never
+    returns, whenever it runs. With ``BATCHFIT_FAKE_SLOW_WRITE_S``, the job's writer takes that long
     over each part (a slow disk), so that parts are still being written when a pass hangs."""
 
     def forward(self, items: Sequence[Item]) -> list[Any]:
         for item in items:
+            if isinstance(item.data, str) and item.data.startswith(HANG_ALWAYS):
+                threading.Event().wait()
             if isinstance(item.data, str) and item.data.startswith(HANG_ONCE):
                 marker = Path(item.data.removeprefix(HANG_ONCE))
                 if not marker.exists():

@@ -1,7 +1,7 @@
 """``bulk.ray.embed`` on a local Ray instance (``ray.init(num_cpus=2)``) with two actors over a
 Parquet dataset: the same embeddings as ``batchfit embed`` over the same file, and the
 manifest in its output folder resuming the job and refusing another; an actor whose pass
-hangs, ended and started again by Ray."""
+hangs, ended and started again by Ray, and a batch that hangs every time ending the job."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bulk import ManifestMismatch
-from tests.bulk_fakes import HANG_ONCE, expected_embedding
+from tests.bulk_fakes import HANG_ALWAYS, HANG_ONCE, expected_embedding
 from tests.ci import unavailable
 from tests.servers import ROOT
 
@@ -126,3 +126,27 @@ def test_an_actor_whose_pass_hangs_ends_and_ray_retries_its_batch_on_a_new_one(c
         np.testing.assert_array_equal(got[i], expected_embedding(text))
     listed = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())
     assert listed["complete"] and listed["rows"] == 60
+
+
+@pytest.mark.timeout(300)
+def test_a_batch_that_hangs_every_pass_ends_the_job_after_two_hangs(cluster, tmp_path):
+    import bulk.ray
+
+    texts = [f"row {i}" for i in range(40)]
+    texts[25] = HANG_ALWAYS + "row 25"
+    data = ray.data.from_arrow(pa.table({"id": list(range(40)), "text": texts}))
+    out = tmp_path / "out"
+    with pytest.raises(Exception) as raised:
+        bulk.ray.embed(
+            data.repartition(2), model="python:tests.bulk_fakes:hanging_embedder",
+            num_actors=1, num_cpus_per_actor=0.5, batch_rows=20, out=str(out),
+            forward_timeout_s=1,
+        )  # fmt: skip
+    message = str(raised.value)
+    assert "a batch of 20 rows (ids 20, 21, 22, 23, 24, ...) hung its forward pass 2 times" in (
+        message
+    ), message
+    assert "the job stops rather than try it again" in message
+    listed = orjson.loads((out / "manifest.json").read_bytes())
+    assert not listed["complete"]
+    assert not (out / bulk.ray.HANGS_FOLDER).exists()  # the counts go with the call
