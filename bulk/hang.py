@@ -12,21 +12,35 @@ its manifest when run again.
 A pass's bound is ``timeout_s``, or ``SLOWER`` times the time the job expects the pass to
 take where that is longer: a large model on a CPU can take minutes over one large batch, and
 a fixed bound below that would end a healthy job at the same place on every rerun.
+
+A call that holds the GIL and never returns (C code that does not release it) stops every
+Python thread, the watch's own included. So the watch also keeps ``faulthandler``'s timer
+armed, re-arming it on every look: its thread needs neither the GIL nor Python. Once the
+watch has not run for ``FROZEN_AFTER`` times the longest bound a pass has had (600 s by
+default), the timer writes every thread's stack (under a ``Timeout (0:10:01)!`` line) and
+ends the process with status 1; nothing else can run to write what is computed, and a rerun
+resumes from the manifest.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 log = logging.getLogger("batchfit.bulk")
 
 SLOWER = 10.0
 """A pass is hung once it has run this many times as long as expected (and ``timeout_s``)."""
+FROZEN_AFTER = 2.0
+"""The process ends once the watch has not run for this many times the longest bound..."""
+MIN_FROZEN_S = 5.0
+"""... and never sooner than this: a garbage collection over a large heap holds the GIL too."""
 
 
 class PassWatch:
@@ -50,6 +64,7 @@ class PassWatch:
         self._lock = threading.Lock()
         self._running: dict[int, tuple[float, float]] = {}
         """The pass running on each thread (by ident): when it started, and its bound."""
+        self._longest_bound_s = timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -61,6 +76,7 @@ class PassWatch:
         bound_s = max(self.timeout_s, SLOWER * expected_s)
         with self._lock:
             self._running[ident] = (self._clock(), bound_s)
+            self._longest_bound_s = max(self._longest_bound_s, bound_s)
         try:
             yield
         finally:
@@ -80,8 +96,14 @@ class PassWatch:
             overdue = [(now - s, bound) for s, bound in self._running.values() if now - s >= bound]
         if not overdue:
             return False
+        faulthandler.cancel_dump_traceback_later()  # ``on_hang`` takes its time to end
         self._on_hang(*max(overdue))
         return True
+
+    def frozen_after_s(self) -> float:
+        """How long the watch may go without running before the process ends."""
+        with self._lock:
+            return max(MIN_FROZEN_S, FROZEN_AFTER * self._longest_bound_s + self._poll_s)
 
     def start(self) -> None:
         """Look every ``poll_s`` on a thread of its own, until ``close`` or a hang."""
@@ -97,9 +119,31 @@ class PassWatch:
             thread.join()
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._poll_s):
-            if self.check():
-                return
+        stderr = _stderr_file()
+        try:
+            while True:
+                if stderr is not None:
+                    faulthandler.dump_traceback_later(self.frozen_after_s(), exit=True, file=stderr)
+                if self._stop.wait(self._poll_s) or self.check():
+                    return
+        finally:
+            if stderr is not None:
+                faulthandler.cancel_dump_traceback_later()
+
+
+def _stderr_file() -> Any:
+    """Standard error as faulthandler writes to it (a file with a descriptor): the process's
+    own where ``sys.stderr`` was replaced by an object without one (captured in a test, a
+    notebook); None, with a warning, where there is none at all."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()  # type: ignore[union-attr]
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation among them
+            continue
+        return stream
+    log.warning("no standard error to write stacks to: a pass that holds the GIL for ever "
+                "is not noticed")  # fmt: skip
+    return None
 
 
 def report_hang(

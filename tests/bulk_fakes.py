@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -89,6 +90,7 @@ def other_fake_embedder() -> FakeEmbedder:
 
 HANG_ONCE = "hang once: "
 HANG_ALWAYS = "hang: "
+HANG_HOLDING_GIL = "hang holding the GIL: "
 SLOW_WRITE_ENV = "BATCHFIT_FAKE_SLOW_WRITE_S"
 
 
@@ -96,13 +98,18 @@ class HangingEmbedder(FakeEmbedder):
     """A pass holding the input ``HANG_ONCE + path`` never returns (a hung device) where no
     file is at ``path``, which it makes first: a rerun, or a retry in a process started
     again, goes through. A pass holding an input that starts with ``HANG_ALWAYS`` never
-    returns, whenever it runs. With ``BATCHFIT_FAKE_SLOW_WRITE_S``, the job's writer takes that long
-    over each part (a slow disk), so that parts are still being written when a pass hangs."""
+    returns, whenever it runs; with ``HANG_HOLDING_GIL``, it never returns and holds the GIL
+    all the while (a regular expression that backtracks for ever: C code that does not let
+    the GIL go), so that no other Python thread runs. With ``BATCHFIT_FAKE_SLOW_WRITE_S``,
+    the job's writer takes that long over each part (a slow disk), so that parts are still
+    being written when a pass hangs."""
 
     def forward(self, items: Sequence[Item]) -> list[Any]:
         for item in items:
             if isinstance(item.data, str) and item.data.startswith(HANG_ALWAYS):
                 threading.Event().wait()
+            if isinstance(item.data, str) and item.data.startswith(HANG_HOLDING_GIL):
+                re.match(r"(a+)+$", "a" * 64 + "!")
             if isinstance(item.data, str) and item.data.startswith(HANG_ONCE):
                 marker = Path(item.data.removeprefix(HANG_ONCE))
                 if not marker.exists():

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from server.cli import main
-from tests.bulk_fakes import HANG_ONCE, SLOW_WRITE_ENV, expected_embedding
+from tests.bulk_fakes import HANG_HOLDING_GIL, HANG_ONCE, SLOW_WRITE_ENV, expected_embedding
 from tests.servers import ROOT
 
 SERVER_ONLY = ("fastapi", "uvicorn", "aiohttp", "server.app", "bench.cli")
@@ -96,3 +96,21 @@ def test_a_hung_pass_ends_the_job_with_every_stack_and_a_rerun_resumes_after_the
     assert table.column("id").to_pylist() == list(range(40))
     embeddings = np.array(table.column("embedding").to_pylist(), dtype=np.float32)
     np.testing.assert_array_equal(embeddings, [expected_embedding(t) for t in texts])
+
+
+def test_a_pass_that_holds_the_gil_ends_the_job_from_faulthandlers_thread(tmp_path):
+    texts = [f"w {i}" for i in range(20)]
+    texts[15] = HANG_HOLDING_GIL + "w 15"  # no Python thread runs again, the watch's included
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(orjson.dumps({"text": t}) + b"\n" for t in texts))
+    frozen = subprocess.run(
+        [sys.executable, "-m", "server", "embed", str(path), "--out", str(tmp_path / "out"),
+         "--model", "python:tests.bulk_fakes:hanging_embedder", "--part-rows", "10",
+         "--forward-timeout-s", "1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert frozen.returncode == 1, frozen.stderr[-3000:]
+    # faulthandler's timer (at least 5 s; twice the 1-s bound and a look is less), not the watch
+    assert "Timeout (0:00:05)!" in frozen.stderr, frozen.stderr[-3000:]
+    assert "bulk_fakes.py" in frozen.stderr and "in forward" in frozen.stderr
+    assert "past --forward-timeout-s" not in frozen.stderr
