@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import shutil
-import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -29,6 +28,7 @@ import orjson
 
 from models import BUNDLED_MODEL, Model, ModelSpec, load_model, resolve_prompt
 
+from .attempts import MAX_DEATHS, BatchAttempts, PoisonBatch
 from .hang import PassWatch, report_hang
 from .job import (
     EXIT_HUNG,
@@ -46,17 +46,8 @@ from .writer import output_schema, output_table, parquet_bytes, write_atomically
 log = logging.getLogger("batchfit.bulk")
 
 PART_PREFIX = "ray-part-"
-HANGS_FOLDER = ".hangs"
-"""Where, under ``out``, the actors count the passes that hung (one file per batch)."""
-MAX_HANGS = 2
-"""A batch whose pass has hung this many times (each an actor ended and started again) ends
-the job with ``BatchHung`` the next time Ray hands it to an actor. A batch holding an input
-that hangs the device or the model every time would otherwise be retried for ever, each try
-costing the bound and an actor's start."""
-
-
-class BatchHung(RuntimeError):
-    """A batch hung its forward pass ``MAX_HANGS`` times: the job stops rather than try again."""
+ATTEMPTS_FOLDER = ".attempts"
+"""Where, under ``out``, the actors note the batches they run (``bulk.attempts``)."""
 
 
 def embed(dataset: Any, *, model: str = BUNDLED_MODEL, **options: Any) -> Any:
@@ -113,19 +104,20 @@ def run(
     actor's passes so far predict for it; 0: never) ends its actor's process with every
     thread's stack in the actor's log. Ray Data starts the actor again and retries the
     batch, as it does by default for any actor that dies; the batches finished before it
-    are kept. A batch that has hung ``MAX_HANGS`` times ends the job with ``BatchHung``
-    (raised here, wrapped in Ray's task error) instead of being retried again."""
+    are kept. A batch that has ended ``MAX_DEATHS`` actors' processes (a hang, a crash, an
+    OOM kill) ends the job with ``PoisonBatch`` (raised here, inside Ray's task error)
+    instead of being run again."""
     if not forward_timeout_s >= 0:
         raise ValueError(f"forward_timeout_s must be 0 or more, got {forward_timeout_s}")
     import ray
 
     num_actors, num_gpus, num_cpus = _actors(ray, num_actors, num_gpus_per_actor,
                                              num_cpus_per_actor)  # fmt: skip
-    # Hangs are counted where every actor sees them: in ``out``, else in each node's
+    # Attempts are noted where every actor sees them: in ``out``, else in each node's
     # temporary folder (a batch retried on another node then counts again there).
-    hangs = Path(out) / HANGS_FOLDER if out is not None else Path(tempfile.gettempdir())
+    attempts = Path(out) / ATTEMPTS_FOLDER if out is not None else Path(tempfile.gettempdir())
     if out is None:
-        hangs /= "batchfit-ray-hangs"
+        attempts /= "batchfit-ray-attempts"
     config = {
         "task": task, "model": model, "device": device, "dtype": dtype,
         "max_input_tokens": max_input_tokens, "text_column": text_column,
@@ -134,7 +126,7 @@ def run(
         "max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens,
         "memory_headroom": memory_headroom, "out": out,
         "forward_timeout_s": forward_timeout_s,
-        "hangs": str(hangs / uuid.uuid4().hex),  # this call's: a rerun starts counting anew
+        "attempts": str(attempts / uuid.uuid4().hex),  # this call's: a rerun counts anew
         "num_threads": math.ceil(num_cpus) if num_cpus and not num_gpus else None,
         "id_type": _id_type(dataset.schema(), id_column),
         "identity": job_identity(task, model, dtype, device, max_input_tokens, text_column,
@@ -162,9 +154,9 @@ def run(
         manifest.finish(sum(r["rows"] for r in records))
     finally:
         manifest.close()
-        shutil.rmtree(config["hangs"], ignore_errors=True)
-        with contextlib.suppress(OSError):  # left where another call's counts are in it
-            (Path(out) / HANGS_FOLDER).rmdir()
+        shutil.rmtree(config["attempts"], ignore_errors=True)
+        with contextlib.suppress(OSError):  # left where another call's attempts are in it
+            (Path(out) / ATTEMPTS_FOLDER).rmdir()
     return result
 
 
@@ -199,7 +191,7 @@ class BulkActor:
             headroom=config["memory_headroom"],
         )  # fmt: skip
         self.runner.warm_up()
-        self._hangs = Path(config["hangs"])
+        self._attempts = BatchAttempts(Path(config["attempts"]))
         self._batch: str | None = None
         """The key of the batch in the model's hands."""
         timeout_s = config["forward_timeout_s"]
@@ -234,10 +226,11 @@ class BulkActor:
             if (self.out / f"{PART_PREFIX}{key}.json").exists():
                 log.info("batch of %d rows skipped: finished earlier (%s)", len(rows), done.name)
                 return pq.read_table(done)
-        self._refuse_if_hung(key, rows)
+        self._refuse_poison(key, rows)
         self._batch = key
         try:
-            outputs = self.runner.run(prepare(self.model, rows, self.prompt)) if rows else []
+            with self._attempts.attempt(key):
+                outputs = self.runner.run(prepare(self.model, rows, self.prompt)) if rows else []
         finally:
             self._batch = None
         ids, kept = [], []
@@ -260,7 +253,7 @@ class BulkActor:
                 "key": key, "file": written.name, "rows": len(rows) + len(rejects),
                 "outputs": len(ids), "rejects": [r.record() for r in rejects],
                 "input_sha256": digest, "size_bytes": written.size_bytes,
-                "sha256": written.sha256, "worker": f"{socket.gethostname()}:{os.getpid()}",
+                "sha256": written.sha256, "worker": self._attempts.worker,
             }  # fmt: skip
             write_atomically(self.out, f"{PART_PREFIX}{key}.json", orjson.dumps(record))
         return table
@@ -281,51 +274,38 @@ class BulkActor:
             rows.append(Row(number, identifier, values[self.fields.text], query, "", number + 1))
         return rows, rejects
 
-    def _refuse_if_hung(self, key: str, rows: list[Row]) -> None:
-        """Raise ``BatchHung`` where this batch's pass has hung ``MAX_HANGS`` times."""
-        hung_on = self._hung_on(key)
-        if not hung_on:
+    def _refuse_poison(self, key: str, rows: list[Row]) -> None:
+        """Raise ``PoisonBatch`` where this batch has ended ``MAX_DEATHS`` actors."""
+        ended = self._attempts.ended(key)
+        if not ended:
             return
-        if len(hung_on) < MAX_HANGS:
-            log.warning("a batch of %d rows whose pass hung %d time(s) (on %s) runs again",
-                        len(rows), len(hung_on), ", ".join(hung_on))  # fmt: skip
+        if len(ended) < MAX_DEATHS:
+            log.warning("a batch of %d rows that ended an actor's process (%s) runs again",
+                        len(rows), ", ".join(ended))  # fmt: skip
             return
         ids = ", ".join(repr(r.id) for r in rows[:5]) + (", ..." if len(rows) > 5 else "")
-        raise BatchHung(
-            f"a batch of {len(rows)} rows (ids {ids}) hung its forward pass {len(hung_on)} "
-            f"times, past forward_timeout_s {self.config['forward_timeout_s']:g} (on "
-            f"{', '.join(hung_on)}; each actor's log holds every thread's stack): the job "
-            "stops rather than try it again. The batches finished before it are kept; rerun "
-            "once the device or the model is fixed, or without the rows that hang it"
+        raise PoisonBatch(
+            f"a batch of {len(rows)} rows (ids {ids}) ended the process of each of the "
+            f"{len(ended)} actors that ran it ({', '.join(ended)}: a forward pass that hung "
+            f"past forward_timeout_s {self.config['forward_timeout_s']:g}, a crash or a kill; "
+            "each actor's log says which): the job stops rather than try it again. The "
+            "batches finished before it are kept; rerun once the device or the model is "
+            "fixed, or without the rows that end it"
         )
 
     def _end_hung(self, running_s: float, bound_s: float) -> None:
-        """On the watch's thread: a forward pass of this actor hung. The batch's hang is
-        counted, every thread's stack goes to the actor's log, then its process ends, for
-        Ray to start it again and retry the batch."""
+        """On the watch's thread: a forward pass of this actor hung. Every thread's stack
+        goes to the actor's log, then its process ends, for Ray to start it again and hand it
+        the batch (its attempt, left unfinished, counts)."""
         batch = self._batch
-        if batch is not None:
-            try:
-                self._hangs.mkdir(parents=True, exist_ok=True)
-                with open(self._hangs / batch, "a") as counted:
-                    counted.write(f"{socket.gethostname()}:{os.getpid()}\n")
-            except OSError as exc:
-                log.error("cannot count the hung batch in %s: %s", self._hangs, exc)
-        left = MAX_HANGS - (len(self._hung_on(batch)) if batch is not None else 0)
+        left = MAX_DEATHS - (len(self._attempts.ended(batch)) if batch is not None else 0)
         then = f"the actor exits with status {EXIT_HUNG}; " + (
-            f"Ray retries its batch ({left} more hang(s) end the job)"
+            f"Ray retries its batch ({left} more end(s) stop the job)"
             if left > 0 else "the job stops when Ray hands its batch to an actor again"
         )  # fmt: skip
         report_hang(running_s, bound_s, self.config["forward_timeout_s"], then,
                     option="forward_timeout_s")  # fmt: skip
         os._exit(EXIT_HUNG)
-
-    def _hung_on(self, key: str) -> list[str]:
-        """The actors (host:pid) on which the batch ``key``'s pass has hung so far."""
-        try:
-            return (self._hangs / key).read_text().split()
-        except OSError:
-            return []
 
 
 def _id_type(schema: Any, id_column: str) -> str:

@@ -9,6 +9,7 @@ import pytest
 
 import bulk.ray
 from bulk import JobError, JobSpec
+from bulk.attempts import BatchAttempts
 from bulk.hang import PassWatch
 from bulk.runner import Runner, make_sizer
 from tests.bulk_fakes import FakeEmbedder
@@ -133,3 +134,19 @@ def test_the_bound_is_zero_for_never_or_positive():
         PassWatch(0, lambda *hang: None)
     with pytest.raises(ValueError, match="forward_timeout_s must be 0 or more"):
         bulk.ray.embed(None, forward_timeout_s=-1)  # refused before Ray is asked anything
+
+
+def test_an_attempt_left_unfinished_names_the_actor_whose_process_ended_in_it(tmp_path):
+    first, second = BatchAttempts(tmp_path, "node:1"), BatchAttempts(tmp_path, "node:2")
+    with first.attempt("batch"):
+        assert first.ended("batch") == ["node:1"]
+    assert first.ended("batch") == [] and not (tmp_path / "batch").exists()
+    with pytest.raises(RuntimeError), first.attempt("batch"):
+        raise RuntimeError("a batch that raises ends its attempt")
+    assert first.ended("batch") == []
+    died = first.attempt("batch")
+    died.__enter__()  # and never left: the process ended inside it
+    with second.attempt("batch"):
+        assert second.ended("batch") == ["node:1", "node:2"]
+    assert second.ended("batch") == ["node:1"]
+    assert second.ended("other") == []
