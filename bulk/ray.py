@@ -30,15 +30,9 @@ from models import BUNDLED_MODEL, Model, ModelSpec, load_model, resolve_prompt
 
 from .attempts import MAX_DEATHS, BatchAttempts, PoisonBatch
 from .hang import PassWatch, report_hang
-from .job import (
-    EXIT_HUNG,
-    check_task,
-    finish_outputs,
-    freeze_loaded_heap,
-    model_fingerprint,
-    prepare,
-)
+from .job import EXIT_HUNG
 from .manifest import Manifest, rows_digest
+from .model_io import check_task, finish_outputs, freeze_loaded_heap, model_fingerprint, prepare
 from .readers import Fields, Reject, Row, row_problem
 from .runner import OutOfMemoryInput, Runner, build_runner
 from .writer import output_schema, output_table, parquet_bytes, write_atomically
