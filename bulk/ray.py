@@ -13,12 +13,10 @@ Needs the ``ray`` extra (``pip install 'batchfit[ray]'``) on every node.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
 import os
-import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -120,7 +118,7 @@ def run(
         "max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens,
         "memory_headroom": memory_headroom, "out": out,
         "forward_timeout_s": forward_timeout_s,
-        "attempts": str(attempts / uuid.uuid4().hex),  # this call's: a rerun counts anew
+        "attempts": str(attempts), "run": uuid.uuid4().hex,  # a rerun counts anew
         "num_threads": math.ceil(num_cpus) if num_cpus and not num_gpus else None,
         "id_type": _id_type(dataset.schema(), id_column),
         "identity": job_identity(task, model, dtype, device, max_input_tokens, text_column,
@@ -148,9 +146,7 @@ def run(
         manifest.finish(sum(r["rows"] for r in records))
     finally:
         manifest.close()
-        shutil.rmtree(config["attempts"], ignore_errors=True)
-        with contextlib.suppress(OSError):  # left where another call's attempts are in it
-            (Path(out) / ATTEMPTS_FOLDER).rmdir()
+        BatchAttempts(attempts, config["run"]).forget()
     return result
 
 
@@ -185,7 +181,7 @@ class BulkActor:
             headroom=config["memory_headroom"],
         )  # fmt: skip
         self.runner.warm_up()
-        self._attempts = BatchAttempts(Path(config["attempts"]))
+        self._attempts = BatchAttempts(Path(config["attempts"]), config["run"])
         self._batch: str | None = None
         """The key of the batch in the model's hands."""
         timeout_s = config["forward_timeout_s"]

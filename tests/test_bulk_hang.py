@@ -137,10 +137,12 @@ def test_the_bound_is_zero_for_never_or_positive():
 
 
 def test_an_attempt_left_unfinished_names_the_actor_whose_process_ended_in_it(tmp_path):
-    first, second = BatchAttempts(tmp_path, "node:1"), BatchAttempts(tmp_path, "node:2")
+    folder = tmp_path / "attempts"
+    first, second = BatchAttempts(folder, "run", "node:1"), BatchAttempts(folder, "run", "node:2")
     with first.attempt("batch"):
         assert first.ended("batch") == ["node:1"]
-    assert first.ended("batch") == [] and not (tmp_path / "batch").exists()
+        assert BatchAttempts(folder, "another run").ended("batch") == []
+    assert first.ended("batch") == [] and list(folder.iterdir()) == []
     with pytest.raises(RuntimeError), first.attempt("batch"):
         raise RuntimeError("a batch that raises ends its attempt")
     assert first.ended("batch") == []
@@ -150,3 +152,7 @@ def test_an_attempt_left_unfinished_names_the_actor_whose_process_ended_in_it(tm
         assert second.ended("batch") == ["node:1", "node:2"]
     assert second.ended("batch") == ["node:1"]
     assert second.ended("other") == []
+    BatchAttempts(folder, "another run").forget()  # the other call's files stay
+    assert second.ended("batch") == ["node:1"]
+    second.forget()
+    assert not folder.exists()
