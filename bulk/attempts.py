@@ -39,6 +39,8 @@ class BatchAttempts:
         self.folder = folder
         self.run = run
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
+        self.current: str | None = None
+        """The key of the batch this actor is inside (``attempt``), if any."""
 
     def ended(self, key: str) -> list[str]:
         """The actors whose attempt at ``key`` has not ended (this one's, while inside
@@ -67,9 +69,11 @@ class BatchAttempts:
                 attempts.write(f"{self.worker}\n")
         except OSError as exc:
             log.error("cannot note the attempt at a batch in %s: %s", self.folder, exc)
+        self.current = key
         try:
             yield
         finally:
+            self.current = None
             left = self.ended(key)
             with contextlib.suppress(ValueError):
                 left.remove(self.worker)

@@ -107,9 +107,10 @@ def run(
                                              num_cpus_per_actor)  # fmt: skip
     # Attempts are noted where every actor sees them: in ``out``, else in each node's
     # temporary folder (a batch retried on another node then counts again there).
-    attempts = Path(out) / ATTEMPTS_FOLDER if out is not None else Path(tempfile.gettempdir())
-    if out is None:
-        attempts /= "batchfit-ray-attempts"
+    if out is not None:
+        attempts = Path(out) / ATTEMPTS_FOLDER
+    else:
+        attempts = Path(tempfile.gettempdir()) / "batchfit-ray-attempts"
     config = {
         "task": task, "model": model, "device": device, "dtype": dtype,
         "max_input_tokens": max_input_tokens, "text_column": text_column,
@@ -182,8 +183,6 @@ class BulkActor:
         )  # fmt: skip
         self.runner.warm_up()
         self._attempts = BatchAttempts(Path(config["attempts"]), config["run"])
-        self._batch: str | None = None
-        """The key of the batch in the model's hands."""
         timeout_s = config["forward_timeout_s"]
         if timeout_s:
             self.runner.watch = PassWatch(
@@ -217,12 +216,8 @@ class BulkActor:
                 log.info("batch of %d rows skipped: finished earlier (%s)", len(rows), done.name)
                 return pq.read_table(done)
         self._refuse_poison(key, rows)
-        self._batch = key
-        try:
-            with self._attempts.attempt(key):
-                outputs = self.runner.run(prepare(self.model, rows, self.prompt)) if rows else []
-        finally:
-            self._batch = None
+        with self._attempts.attempt(key):
+            outputs = self.runner.run(prepare(self.model, rows, self.prompt)) if rows else []
         ids, kept = [], []
         for row, output in zip(rows, outputs, strict=True):
             if isinstance(output, OutOfMemoryInput):
@@ -287,7 +282,7 @@ class BulkActor:
         """On the watch's thread: a forward pass of this actor hung. Every thread's stack
         goes to the actor's log, then its process ends, for Ray to start it again and hand it
         the batch (its attempt, left unfinished, counts)."""
-        batch = self._batch
+        batch = self._attempts.current
         left = MAX_DEATHS - (len(self._attempts.ended(batch)) if batch is not None else 0)
         then = f"the actor exits with status {EXIT_HUNG}; " + (
             f"Ray retries its batch ({left} more end(s) stop the job)"
