@@ -31,7 +31,7 @@ STACKS = [
     (LOOP, ["Batcher._run (batching/batcher.py:330)",
             "Histogram.observe (prometheus_client/metrics.py:680)",
             "__create_fn__.<locals>.__init__ (<string>:3)"], 2),
-    (LOOP, ["Runtime._infer (server/runtime/runtime.py:380)",
+    (LOOP, ["RequestPath.answer (server/runtime/requests.py:90)",
             "isfuture (asyncio/base_futures.py:10)"], 4),
     (MODEL, [WORKER], 3),
     (MODEL, [WORKER, "Batcher._measured_forward (batching/batcher.py:260)",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +20,6 @@ from batching import (
     MemoryProbe,
     ModelThread,
     MonotonicClock,
-    Pending,
     RequestQueue,
     ShuttingDown,
     Sizer,
@@ -35,22 +33,22 @@ from models import (
     Model,
     ModelOutOfMemory,
     set_cpu_threads,
-    truncate_dimensions,
 )
 
-from ..cache import InputCache, stored_value
-from ..errors import ApiError, deadline_exceeded, draining, model_not_found, not_ready
+from ..cache import InputCache
+from ..errors import ApiError, draining, model_not_found, not_ready
 from ..metrics import ServerMetrics
 from ..settings import Settings
 from ..watchdog import exit_when_forward_hangs
 from .announce import ready_line
 from .contention import ThreadGuard
-from .slot import ModelSlot, by_name, make_sizer, make_slots, prepare_call, tokenize_inline
+from .requests import RequestPath
+from .slot import ModelSlot, by_name, make_sizer, make_slots
 from .startup import bound_cache, limit_host_memory, load, log_memory_limit, place_tokenizing
 from .threads import AFFINITY, QUOTA, thread_count
 from .trace import RequestTrace
 from .tracking import WorkTracker
-from .waiting import ClientDisconnected, ClientWatch, RequestWait
+from .waiting import ClientWatch
 
 log = logging.getLogger("batchfit")
 
@@ -110,6 +108,10 @@ class Runtime:
         # Tokenizes large requests off the event loop; one thread, started before any
         # memory limit applies (a capped address space may have no room for a new stack).
         self.tokenizer_thread = ModelThread("batchfit-tokenize")
+        self.requests = RequestPath(
+            queue=self.queue, inputs=self.inputs, clock=self.clock, work=self.work,
+            tokenizer_thread=self.tokenizer_thread, metrics=self.batching_metrics,
+        )  # fmt: skip
         # Wraps the batcher's forward calls, so traces are recorded on the model thread.
         self.profiler = BatchProfiler(Path(settings.profile_dir))
         self.batcher: Batcher | None = None
@@ -401,7 +403,7 @@ class Runtime:
         answered from it, and an input equal to one in flight waits for that one."""
         slot = self._admit(model)
         with self.work.request():
-            return await self._infer(
+            return await self.requests.infer(
                 slot, inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
                 priority=priority, query=query, prompt=prompt,
                 trace=trace if trace is not None else RequestTrace(), client=client,
@@ -417,27 +419,6 @@ class Runtime:
         if not self.ready:
             raise not_ready()
         return self.slot(model)
-
-    async def _infer(
-        self, slot: ModelSlot, inputs: Sequence[str], *, truncate: bool, timeout_s: float,
-        request_id: str, priority: int, query: str | None, trace: RequestTrace,
-        client: ClientWatch | None, prompt: str | None = None,
-        truncation_direction: str | None = None, dimensions: int | None = None,
-    ) -> tuple[list[Any], int]:  # fmt: skip
-        assert slot.model is not None
-        prepare = prepare_call(
-            slot.model, inputs, truncate=truncate, query=query, prompt=prompt,
-            truncation_direction=truncation_direction,
-        )  # fmt: skip
-        alone = self.work.active_requests <= 1  # this one
-        if tokenize_inline(slot, inputs, query=query, prompt=prompt, alone=alone):
-            items = prepare()
-        else:
-            items = await self.tokenizer_thread.call(prepare)
-        return await self._queue_and_wait(
-            slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
-            trace=trace, client=client, dimensions=dimensions,
-        )  # fmt: skip
 
     async def infer_items(
         self,
@@ -456,73 +437,8 @@ class Runtime:
         computations in flight apply as in ``infer``: they live here, with the queue."""
         slot = self._admit(model)
         with self.work.request():
-            return await self._queue_and_wait(
+            return await self.requests.answer(
                 slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
                 trace=trace if trace is not None else RequestTrace(), client=client,
                 dimensions=dimensions,
             )  # fmt: skip
-
-    async def _queue_and_wait(
-        self, slot: ModelSlot, items: Sequence[Item], *, timeout_s: float, request_id: str,
-        priority: int, trace: RequestTrace, client: ClientWatch | None,
-        dimensions: int | None,
-    ) -> tuple[list[Any], int]:  # fmt: skip
-        loop = asyncio.get_running_loop()
-        trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
-        now = self.clock.now()
-        deadline = now + timeout_s
-        name = slot.name
-
-        def make_pending(item: Any, index: int) -> Pending:
-            return Pending(
-                item=item, future=loop.create_future(), arrival_s=now, deadline_s=deadline,
-                priority=priority, request_id=request_id, index=index, model=name,
-            )  # fmt: skip
-
-        info = slot.info
-        cut = dimensions if dimensions is not None and dimensions != info.output_dim else None
-        admission = self.inputs.admit(
-            loop, name, items, dimensions=cut, priority=priority, deadline_s=deadline,
-            make_pending=make_pending, finish=_finisher(cut, bool(info.normalize)),
-        )  # fmt: skip
-        trace.cache_hits = admission.hits
-        if admission.queued:
-            try:
-                self.queue.put_many(admission.queued)
-            except BaseException:
-                self.inputs.release(admission)
-                raise
-            self.work.track(admission.queued)
-        futures = admission.futures
-        if admission.hits == len(futures):
-            return [future.result() for future in futures], trace.tokens
-        wait = RequestWait(
-            loop, futures, timeout_s=timeout_s, client=client,
-            deadline_error=functools.partial(deadline_exceeded, timeout_s),
-        )  # fmt: skip
-        disconnected = False
-        try:
-            await wait.future
-        except ClientDisconnected:
-            disconnected = True
-            raise
-        finally:
-            wait.close()
-            trace.record(admission.pendings)
-            # Computations no other request waits for leave the queue and never run.
-            left = self.queue.discard(self.inputs.release(admission))
-            if disconnected:
-                self.batching_metrics.cancelled.labels("queued").inc(left)
-        return [future.result() for future in futures], trace.tokens
-
-
-def _finisher(dimensions: int | None, normalize: bool) -> Callable[[Any], Any]:
-    """What a computed output becomes before it is stored and answered: its own copy
-    (read-only), cut to ``dimensions`` first when given."""
-    if dimensions is None:
-        return stored_value
-
-    def cut(output: Any) -> Any:
-        return stored_value(truncate_dimensions(output, dimensions, normalize))
-
-    return cut
