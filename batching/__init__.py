@@ -50,6 +50,7 @@ from .probes import (
     refusal_room,
 )
 from .queue import Pending, RequestQueue
+from .side import SideBySide, room_for_passes
 from .sizer import (
     AdaptiveConfig,
     AdaptiveSizer,
@@ -110,6 +111,7 @@ __all__ = [
     "QueueFull",
     "RequestQueue",
     "ShuttingDown",
+    "SideBySide",
     "Sizer",
     "TorchCudaProbe",
     "WarmUp",
@@ -133,6 +135,7 @@ __all__ = [
     "refusal_room",
     "refused_alone",
     "release_host_memory",
+    "room_for_passes",
     "scouts",
     "split",
     "tune_host_allocator",

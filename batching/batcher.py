@@ -7,6 +7,7 @@ same model, sized by that model's sizer against the memory read just before the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from .planner import BatchBudget, BatchPlan, plan_batch, refused_alone, split
 from .probes import MemoryProbe, MemoryReading
 from .queue import Pending, RequestQueue
 from .readings import MemoryWatch
+from .side import SideBySide
 from .sizer import BatchOutcome, Sizer
 from .timing import BatchTimeModel
 
@@ -63,6 +65,9 @@ class Lane:
     name: str
     forward: Forward
     sizer: Sizer
+    side_forward: Forward | None = None
+    """The same pass on its share of the CPUs, for passes side by side (``side_by_side``);
+    None: this model's passes run one at a time."""
 
 
 class _LaneState:
@@ -79,10 +84,13 @@ class _LaneState:
     ) -> None:
         self.name = lane.name
         self.forward = lane.forward
+        self.side_forward = lane.side_forward
         self.sizer = lane.sizer
         self.metrics = metrics
         self.memory_metrics = memory_metrics
         self.time_model = BatchTimeModel() if plan_by_time else None
+        self.side_time_model = BatchTimeModel() if plan_by_time else None
+        """Passes side by side (``side.py``): each on its share of the cores, beside others."""
         self.budget: BatchBudget | None = None
         self._shown: dict[Gauge, float] = {}
 
@@ -115,6 +123,7 @@ class Batcher:
         fatal_errors: tuple[type[BaseException], ...] = (),
         probe: MemoryProbe | None = None,
         memory_metrics: MemoryMetrics | None = None,
+        side_threads: Sequence[ModelThread] = (),
     ) -> None:
         if not lanes or len({lane.name for lane in lanes}) != len(lanes):
             raise ValueError(f"lanes need distinct names, got {[lane.name for lane in lanes]}")
@@ -140,13 +149,23 @@ class Batcher:
             max_share=config.max_reading_share,
         )  # fmt: skip
         self.healthy = True
-        self._in_flight: Sequence[Pending] = ()
+        self._in_flight: dict[ModelThread, Sequence[Pending]] = {}
+        """The batch each thread runs (left set if cancelled, so ``run`` can fail them)."""
+        self.side_by_side: SideBySide | None = None
+        """Passes side by side, each on its own thread (``side.py``); None: one at a time."""
+        if side_threads:
+            self.run_side_by_side(side_threads)
         self.num_batches = 0
         metrics.queue_capacity.set(queue.max_items)
         # Read when scraped: a gauge set on every admission and every batch cost each request
         # several metric updates on the event loop.
         metrics.queue_depth.set_function(queue.__len__)
         queue.on_drop = self._count_dropped
+
+    def run_side_by_side(self, side_threads: Sequence[ModelThread]) -> None:
+        """From ``run`` on, run passes side by side on the model thread and ``side_threads``
+        while work waits (``side.py``); before ``run``."""
+        self.side_by_side = SideBySide(self, self._model_thread, side_threads)
 
     async def run(self) -> None:
         """Step forever. When stopped, whatever is queued or running fails with
@@ -155,24 +174,46 @@ class Batcher:
         (then re-raised: the owner decides what a dead batcher means)."""
         error: Exception = ShuttingDown("the server stopped before this input ran")
         try:
-            while True:
-                await self.step()
+            if self.side_by_side is not None:
+                await self.side_by_side.run()
+            else:
+                while True:
+                    await self.step()
         except Exception as exc:
             self.healthy = False
             what = "the device" if isinstance(exc, self._fatal_errors) else "the batcher"
             error = InferenceFailed(f"{what} failed; this replica is stopping")
             raise
         finally:
-            for pending in self._in_flight:
-                _fail(pending, error)
+            for batch in self._in_flight.values():
+                for pending in batch:
+                    _fail(pending, error)
             self.fail_waiting(error)
 
     async def step(self) -> int:
         """Run one batch; return how many items it held."""
+        planned = await self.next_batch()
+        if planned is None:
+            return 0
+        lane, batch = planned
+        thread = self._model_thread
+        self._in_flight[thread] = batch
+        await self.run_batch(lane, batch, thread)
+        del self._in_flight[thread]
+        return len(batch)
+
+    async def next_batch(
+        self, *, beside_bytes: float | None = None
+    ) -> tuple[_LaneState, list[Pending]] | None:
+        """Wait for work, then plan the next batch and take it out of the queue (None: what
+        waited expired or was refused). ``beside_bytes``: the predicted peaks of passes
+        still running, kept out of its memory budget (None, too, where even the first
+        waiting item does not fit beside them, or the budget has no memory model: it is
+        left queued)."""
         await self.queue.wait_not_empty()
         lane = self._next_lane()
         if lane is None:
-            return 0
+            return None
         reading = self.memory.latest()
         budget = lane.budget = lane.sizer.budget(reading)
         lane.show(lane.metrics.budget_items, budget.max_items)
@@ -186,15 +227,27 @@ class Batcher:
         waiting = self.queue.waiting(self.config.plan_window, now=now, model=lane.name)
         waiting = self._drop_expired(waiting)
         if not waiting:
-            return 0
+            return None
         priorities = [self.queue.effective_priority(p, now) for p in waiting]
         # The planner's anchor, the first waiting item, runs whatever the budget says:
         # unless it cannot fit alone where the limit kills.
         predicted = refused_alone(waiting[0].cost, budget)
         if predicted is not None:
             self._refuse(lane, waiting[0], predicted, budget, reading)
-            return 0
+            return None
+        if beside_bytes is not None:
+            shared, predict = budget.shared_bytes, budget.predict_bytes
+            if shared is None or predict is None:
+                return None
+            room = shared - beside_bytes
+            if budget.max_bytes is not None:
+                room = min(room, budget.max_bytes)
+            if predict(1, waiting[0].cost) > room:
+                return None  # not beside the passes running: after them
+            budget = dataclasses.replace(budget, max_bytes=room)
         time_model = lane.time_model
+        if beside_bytes is not None and lane.side_time_model and lane.side_time_model.coefficients:
+            time_model = lane.side_time_model
         plan = plan_batch(
             [p.cost for p in waiting],
             budget,
@@ -205,10 +258,7 @@ class Batcher:
         batch = [waiting[i] for i in plan.indices]
         self.queue.remove(batch)
         self._record_dispatch(lane, batch, plan)
-        self._in_flight = batch  # NOTE: left set if cancelled, so run() can fail these items.
-        await self._run(lane, batch)
-        self._in_flight = ()
-        return len(batch)
+        return lane, batch
 
     def _refuse(
         self, lane: _LaneState, pending: Pending, predicted: float, budget: BatchBudget,
@@ -317,8 +367,13 @@ class Batcher:
         if plan.real_tokens:
             metrics.padding_ratio.observe(plan.padded_tokens / plan.real_tokens)
 
-    async def _run(self, lane: _LaneState, batch: Sequence[Pending]) -> None:
-        """Run ``batch``; on OOM split it in two and run each half, down to one item."""
+    async def run_batch(
+        self, lane: _LaneState, batch: Sequence[Pending], thread: ModelThread, *,
+        side: bool = False,
+    ) -> None:  # fmt: skip
+        """Run ``batch`` on ``thread``; on OOM split it in two and run each half, down to one
+        item. ``side``: a pass beside others (``lane.side_forward``), its peak not measured
+        (it is the process's) and its time learnt by the lane's side time model."""
         live = [p for p in batch if not p.cancelled]
         if len(live) < len(batch):
             self.metrics.cancelled.labels("queued").inc(len(batch) - len(live))
@@ -334,10 +389,16 @@ class Batcher:
             if pending.started_s is None:
                 pending.started_s = started
             pending.batch = (self.num_batches, len(live))
+        items = [p.item for p in live]
         try:
-            (outputs, measured), later = await self._model_thread.call_then(
-                self.memory.forward, lane.forward, [p.item for p in live], self.queue
-            )
+            if side:
+                assert lane.side_forward is not None
+                outputs = await thread.call(self.memory.unmeasured, lane.side_forward, items)
+                measured = later = None
+            else:
+                (outputs, measured), later = await thread.call_then(
+                    self.memory.forward, lane.forward, items, self.queue
+                )
         except self._oom_errors as exc:
             self.memory.forget()  # the next plan reads what the failed batch left
             lane.sizer.on_oom(len(live), padded_len)
@@ -355,8 +416,8 @@ class Batcher:
                 "batch of %d x %d tokens ran out of memory (%s); splitting",
                 len(live), padded_len, exc,
             )  # fmt: skip
-            await self._run(lane, first)
-            await self._run(lane, second)
+            await self.run_batch(lane, first, thread, side=side)
+            await self.run_batch(lane, second, thread, side=side)
             return
         except Exception as exc:
             self.memory.forget()
@@ -389,12 +450,20 @@ class Batcher:
                 pending.future.set_result(output)
         if orphans:
             self.metrics.cancelled.labels("running").inc(orphans)
+        if side:
+            # No peak: the process's, not this pass's. Its time still counts toward a latency
+            # target, and a clean pass still lets a ceiling lowered by an OOM climb back.
+            lane.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, None))
+            if lane.side_time_model is not None:
+                lane.side_time_model.observe(len(live), padded_len, elapsed)
+            return
         # NOTE: the requests waiting on these futures resume only once this task yields. Where
         # work waited as the batch ended, its measurement came back with the outputs, and this
         # task yields only once the sizer and the time model have learnt from it (the next
         # plan needs them) and the next batch is on the model thread: the answers are encoded
         # while the model runs it, not with the model idle. Where none waited, the requests
         # resume here, while the model thread measures.
+        assert later is not None or measured is not None
         peak, reading = measured if measured is not None else await self.memory.measurement(later)
         self.memory.keep(reading, started + elapsed)
         lane.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))

@@ -80,7 +80,7 @@ class BatchingMetrics:
         )
         self.batch_duration = Histogram(
             "batchfit_batch_duration_seconds",
-            "Wall time of one forward pass on the model thread.",
+            "Wall time of one forward pass on its thread (side by side: each its own).",
             buckets=LATENCY_BUCKETS_S,
             labelnames=MODEL,
             registry=registry,
@@ -119,6 +119,19 @@ class BatchingMetrics:
         )
         for stage in ("queued", "running"):
             self.cancelled.labels(stage)
+        self.passes_at_once = Gauge(
+            "batchfit_cpu_passes",
+            "Forward passes that may run at once: side by side on a CPU while work waits, each "
+            "on its share of the threads (--cpu-passes); 1: one at a time.",
+            registry=registry,
+        )
+        self.passes_at_once.set(1)
+        self.side_by_side = Counter(
+            "batchfit_side_by_side_batches",
+            "Forward passes that ran beside another, on their share of the CPU threads (their "
+            "peak memory is not measured).",
+            registry=registry,
+        )
         self.budget_items = Gauge(
             "batchfit_batch_budget_items",
             "Item budget of the next batch.",

@@ -24,6 +24,9 @@ class BatchBudget:
     """Where going past the memory limit kills: the room one input alone must fit in, or
     it is refused before it runs (``refused_alone``). None: an input too large for the
     budget runs alone anyway and the OOM path answers it."""
+    shared_bytes: float | None = None
+    """The memory free for every pass running at once, less headroom (``max_bytes`` may be
+    less: a ceiling on one batch), which passes side by side share. None: unknown."""
 
     def __post_init__(self) -> None:
         if self.max_items < 1:

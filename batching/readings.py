@@ -156,6 +156,13 @@ class MemoryWatch:
             forward, items, probe=self.probe, oom_errors=self._oom_errors, settle=True
         )
 
+    def unmeasured(self, forward: Forward, items: Sequence[Any]) -> list[Any]:
+        """Runs on a model thread: a pass beside others, whose peak is the whole process's
+        and not its own (after an OOM error the probe still releases its cache)."""
+        return forward_from_baseline(
+            forward, items, probe=self.probe, oom_errors=self._oom_errors, measure=False
+        )[0]
+
     def forward(
         self, forward: Forward, items: Sequence[Any], waiting: Sized
     ) -> tuple[Answer, Callable[[], Measurement] | None]:

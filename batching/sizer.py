@@ -355,6 +355,7 @@ class AdaptiveSizer:
             max_bytes=self.memory_budget(free),
             predict_bytes=self.predict,
             max_alone_bytes=None if room is None else room * (1 - self.config.headroom_fraction),
+            shared_bytes=None if free is None else free * (1 - self.config.headroom_fraction),
         )
 
     def observe(self, outcome: BatchOutcome) -> None:

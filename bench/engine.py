@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ class EngineRun:
     cpus: float
     """The process's CPU seconds per second of the window."""
     forward_s: float
-    """Seconds the model thread spent in the recorded batches' forward passes."""
+    """Seconds in the recorded batches' forward passes (passes side by side summed)."""
     rss_mib: tuple[float, float] = (0.0, 0.0)
     """The process's resident memory as the window began and as it ended."""
 
@@ -77,23 +78,29 @@ class EngineRun:
 
 
 class _Recorder:
-    """A lane's forward pass, recording each batch's items while ``on``."""
+    """A lane's forward passes (``wrap`` each: alone and side by side), recording each
+    batch's items while ``on``."""
 
-    def __init__(self, forward: Callable[[Sequence[Any]], list[Any]]) -> None:
-        self._forward = forward
+    def __init__(self) -> None:
         self.on = False
         self.batches: list[list[Any]] = []
         self.forward_s = 0.0
+        """Seconds in passes, summed: two passes side by side count twice."""
+        self._lock = threading.Lock()
 
-    def __call__(self, items: Sequence[Any]) -> list[Any]:
-        if not self.on:
-            return self._forward(items)
-        self.batches.append(list(items))
-        started = time.perf_counter()
-        try:
-            return self._forward(items)
-        finally:
-            self.forward_s += time.perf_counter() - started
+    def wrap(self, forward: Callable[[Sequence[Any]], list[Any]]) -> Callable[..., list[Any]]:
+        def recorded(items: Sequence[Any]) -> list[Any]:
+            if not self.on:
+                return forward(items)
+            started = time.perf_counter()
+            try:
+                return forward(items)
+            finally:
+                with self._lock:
+                    self.batches.append(list(items))
+                    self.forward_s += time.perf_counter() - started
+
+        return recorded
 
 
 async def drive(
@@ -110,7 +117,10 @@ async def drive(
     async with started_runtime(BUNDLED_MODEL, cache_bytes=0, deduplicate=False) as runtime:
         assert runtime.batcher is not None  # started
         (lane,) = runtime.batcher.lanes.values()
-        recorder = lane.forward = _Recorder(lane.forward)
+        recorder = _Recorder()
+        lane.forward = recorder.wrap(lane.forward)
+        if lane.side_forward is not None:
+            lane.side_forward = recorder.wrap(lane.side_forward)
         answered = 0
         stop = False
 
@@ -218,7 +228,7 @@ def describe(run: EngineRun, limit: float | None, replayed: float | None) -> str
         f"{run.concurrency} clients, no HTTP: {run.inputs_per_s:.1f} inputs/s over "
         f"{run.wall_s:.1f} s; {len(run.batch_lengths)} batches, mean {run.mean_batch:.1f} "
         f"inputs, padding {run.padding:.3f}; the process kept {run.cpus:.2f} CPUs busy; the "
-        f"model thread in a forward pass {run.forward_s / run.wall_s:.0%} of the time, "
+        f"forward passes {run.forward_s / run.wall_s:.0%} of the time (side by side: summed), "
         f"{run.batched_inputs / run.forward_s:.1f} inputs per second of pass; resident "
         f"memory {run.rss_mib[0]:.0f} MiB as the window began, {run.rss_mib[1]:.0f} MiB at its end"
     )

@@ -31,6 +31,8 @@ SERVER_CONFIGS: dict[str, tuple[str, ...]] = {
     "fixed-8": ("--max-batch-size", "8", "--max-batch-tokens", FIXED_BATCH_TOKENS),
     "fixed-64": ("--max-batch-size", "64", "--max-batch-tokens", FIXED_BATCH_TOKENS),
     "fixed-128": ("--max-batch-size", "128", "--max-batch-tokens", FIXED_BATCH_TOKENS),
+    # The server's defaults, but one forward pass at a time on a CPU (no passes side by side).
+    "one-pass": ("--cpu-passes", "1"),
     "adaptive": (),
 }
 OVERHEAD_LOADS = ("wrk", "aiohttp")

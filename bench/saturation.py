@@ -31,6 +31,8 @@ from .stages import LOOP_THREAD, Frame, parse_raw
 from .workload import WorkloadSpec, make_requests
 
 MODEL_THREAD, TOKENIZER_THREAD = "batchfit-model", "batchfit-tokenize"
+SIDE_THREAD = "batchfit-side"
+"""The threads that run passes beside the model thread's (``batching/side.py``)."""
 IN_FORWARD = "forward_from_baseline"
 """The function that calls the model's forward pass on the model thread (after reading the
 memory baseline: the probe's frames below it are not the pass)."""
@@ -42,7 +44,8 @@ class CpuShare:
     """CPUs kept busy over the sampled window (1.0 is one CPU all the time)."""
 
     server: dict[str, float]
-    """By role: event loop, model thread, OpenMP workers, tokenizer, other threads."""
+    """By role: event loop, model thread, side passes, OpenMP workers, tokenizer, other
+    threads."""
     client: float
     host_busy: float
     host_cpus: int
@@ -76,6 +79,8 @@ def host_cpu_seconds() -> tuple[float, int]:
 def _role(name: str) -> str:
     if name.startswith(MODEL_THREAD):
         return "model thread"
+    if name.startswith(SIDE_THREAD):
+        return "side passes"
     if name.startswith(TOKENIZER_THREAD):
         return "tokenizer"
     if name == LOOP_THREAD:

@@ -27,7 +27,7 @@ from .tokenizing import TextTokenizer, Tokens
 if TYPE_CHECKING:
     from .custom import load_entry_point, parse_entry_point
     from .description import ModelDescription, describe
-    from .loading import load_model, resolve_device, set_cpu_threads
+    from .loading import current_cpu_threads, load_model, resolve_device, set_cpu_threads
     from .profiling import BatchProfiler, ProfilerBusy, ProfileStatus
     from .quantization import quantize_int8
     from .text import TextModel
@@ -40,6 +40,7 @@ _LAZY = {
     "load_model": "loading",
     "resolve_device": "loading",
     "set_cpu_threads": "loading",
+    "current_cpu_threads": "loading",
     "BatchProfiler": "profiling",
     "ProfilerBusy": "profiling",
     "ProfileStatus": "profiling",
@@ -78,6 +79,7 @@ __all__ = [
     "Tokens",
     "UnknownPrompt",
     "available_cpus",
+    "current_cpu_threads",
     "describe",
     "is_out_of_memory",
     "load_entry_point",

@@ -36,6 +36,11 @@ def set_cpu_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads)
 
 
+def current_cpu_threads() -> int:
+    """The intra-op threads of the calling thread's next CPU forward passes."""
+    return torch.get_num_threads()
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

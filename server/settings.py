@@ -148,6 +148,16 @@ class Settings(BaseSettings):
         "while other work holds the host's CPUs and one thread runs faster. A number set here "
         "or in OMP_NUM_THREADS is kept as it is.",
     )
+    cpu_passes: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Forward passes at once on a CPU while work waits, each on its share of "
+        "the threads (1: one pass at a time, on every thread). Default 0: one per thread, up "
+        "to 4, where memory cannot bind them (that many of the largest batch the caps allow fit in "
+        "half the memory budget) and the passes are heavy; a batch planned while nothing "
+        "else waits still runs alone on every thread.",
+    )
     max_body_bytes: int = Field(
         2 * 2**20, ge=1024, description="Largest request body accepted; beyond it 413."
     )

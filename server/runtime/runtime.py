@@ -25,6 +25,7 @@ from batching import (
     Sizer,
     probes_for_device,
     release_host_memory,
+    room_for_passes,
 )
 from models import (
     BatchProfiler,
@@ -45,7 +46,7 @@ from .contention import ThreadGuard
 from .requests import RequestPath
 from .slot import ModelSlot, by_name, make_sizer, make_slots
 from .startup import bound_cache, limit_host_memory, load, log_memory_limit, place_tokenizing
-from .threads import AFFINITY, QUOTA, thread_count
+from .threads import AFFINITY, QUOTA, side_shape, thread_count
 from .trace import RequestTrace
 from .tracking import WorkTracker
 from .waiting import ClientWatch
@@ -105,6 +106,8 @@ class Runtime:
         self._aborted = False
         self.batcher_error: BaseException | None = None
         self.model_thread = ModelThread(colocate=True)
+        self.side_threads: list[ModelThread] = []
+        """On a CPU: the threads that run passes beside the model thread's (``--cpu-passes``)."""
         # Tokenizes large requests off the event loop; one thread, started before any
         # memory limit applies (a capped address space may have no room for a new stack).
         self.tokenizer_thread = ModelThread("batchfit-tokenize")
@@ -161,7 +164,7 @@ class Runtime:
         limit = self.settings.forward_timeout_s
         if not limit or not self._started:
             return None
-        running_s = self.model_thread.running_for()
+        running_s = self.running_for()
         if running_s < limit:
             return None
         return ApiError(
@@ -221,6 +224,17 @@ class Runtime:
             # The first forward pass starts torch's thread pool; start every thread before a
             # memory limit caps the address space.
             await self.model_thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
+        side_passes, side_threads = (
+            side_shape(threads.num_threads, self.settings.cpu_passes)
+            if info.device == "cpu" else (1, 0)
+        )  # fmt: skip
+        for number in range(1, side_passes):
+            thread = ModelThread(f"batchfit-side-{number}")
+            await thread.call(set_cpu_threads, side_threads)
+            if side_threads > 1:  # its own pool of torch threads, started as above
+                for slot in self._slots:
+                    await thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
+            self.side_threads.append(thread)
         await self.tokenizer_thread.call(int)
         for slot in self._slots:
             await place_tokenizing(slot, self.tokenizer_thread)
@@ -232,7 +246,14 @@ class Runtime:
         )
         self.batcher = Batcher(
             queue=self.queue,
-            lanes=[slot.lane(self.profiler, self.thread_guard) for slot in self._slots],
+            lanes=[
+                slot.lane(
+                    self.profiler,
+                    self.thread_guard,
+                    side_threads=side_threads if self.side_threads else None,
+                )
+                for slot in self._slots
+            ],
             model_thread=self.model_thread,
             clock=self.clock,
             metrics=self.batching_metrics,
@@ -253,6 +274,8 @@ class Runtime:
             if report.proven_length is not None:
                 self.memory_metrics.for_model(slot.name).proven_length.set(report.proven_length)
         self.batcher.record_ceilings()
+        if self.side_threads:
+            self._choose_side_by_side(side_threads)
         self.phase = "starting the batcher"
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
@@ -263,7 +286,7 @@ class Runtime:
             )
         if exit_s := self.settings.forward_exit_after_s:
             self._forward_watch = asyncio.create_task(
-                exit_when_forward_hangs(self.model_thread.running_for, exit_s),
+                exit_when_forward_hangs(self.running_for, exit_s),
                 name="batchfit-forward-watch",
             )
         if self._on_ready is not None:
@@ -272,6 +295,35 @@ class Runtime:
         self.phase = "ready"
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
+
+    def _choose_side_by_side(self, threads_each: int) -> None:
+        """Passes side by side where memory cannot bind them (``room_for_passes``, as the
+        sizers predict after warm-up); else the side threads end and passes run one at a
+        time."""
+        assert self.batcher is not None and self.probe is not None
+        passes = 1 + len(self.side_threads)
+        reading = self.probe.read()
+        roomy = all(
+            room_for_passes(slot.sizer.budget(reading), passes, slot.info.max_input_tokens)
+            for slot in self._slots
+            if slot.sizer is not None
+        )
+        if roomy and self.settings.cpu_passes != 1:
+            self.batcher.run_side_by_side(self.side_threads)
+            log.info(
+                "forward passes: up to %d at a time while work waits, %d torch thread%s each "
+                "(memory cannot bind them); alone on every thread otherwise",
+                passes, threads_each, "s" * (threads_each > 1),
+            )  # fmt: skip
+            return
+        log.info("forward passes: one at a time (memory may bind %d at once)", passes)
+        for thread in self.side_threads:
+            thread.close(wait=False)
+        self.side_threads = []
+
+    def running_for(self) -> float:
+        """How long the longest forward pass in progress has run (0: none runs)."""
+        return max(thread.running_for() for thread in (self.model_thread, *self.side_threads))
 
     async def _release_memory_when_quiet(self, quiet_s: float) -> None:
         """After each busy spell, once quiet for ``quiet_s``, return the allocator's free
@@ -366,14 +418,17 @@ class Runtime:
                 await self._task
         if self.batcher is not None:
             self.batcher.fail_waiting(ShuttingDown("the server stopped before this input ran"))
+        threads = (self.model_thread, *self.side_threads)
         if self._aborted:
-            self.model_thread.close(wait=False)  # the forward in progress ends on its own
+            for thread in threads:
+                thread.close(wait=False)  # the forward in progress ends on its own
         else:
             if self._started:
                 await self.model_thread.call(self.profiler.finish)
             # Waits for a running forward pass on an existing thread (no new one under a
             # memory limit).
-            await self.tokenizer_thread.call(self.model_thread.close)
+            for thread in threads:
+                await self.tokenizer_thread.call(thread.close)
         self.tokenizer_thread.close(wait=False)
 
     async def infer(

@@ -31,6 +31,7 @@ from models import BatchProfiler, Model, ModelInfo, ModelOutOfMemory, ModelSpec
 from ..errors import ApiError
 from ..settings import Settings
 from .contention import ThreadGuard
+from .threads import on_threads
 
 log = logging.getLogger("batchfit")
 
@@ -76,10 +77,18 @@ class ModelSlot:
         assert self.model is not None
         return self.model.info
 
-    def lane(self, profiler: BatchProfiler, guard: ThreadGuard | None = None) -> Lane:
+    def lane(
+        self, profiler: BatchProfiler, guard: ThreadGuard | None = None, *,
+        side_threads: int | None = None,
+    ) -> Lane:  # fmt: skip
+        """The batcher's view of this model; with ``side_threads``, its passes may also run
+        side by side, on that many intra-op threads each."""
         assert self.model is not None and self.sizer is not None
         forward = profiler.wrap(self.model.forward)
-        return Lane(self.name, guard.wrap(forward) if guard else forward, self.sizer)
+        return Lane(
+            self.name, guard.wrap(forward) if guard else forward, self.sizer,
+            side_forward=on_threads(forward, side_threads) if side_threads else None,
+        )  # fmt: skip
 
     def card(self) -> dict[str, object]:
         """How ``/v1/models`` describes this model."""

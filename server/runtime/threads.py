@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from batching.measure import Forward
 from batching.procfs import CpuQuota, own_cpu_quota
 from models.spec import available_cpus, omp_num_threads
 
@@ -58,3 +60,34 @@ def host_capacity() -> ThreadCount:
 def thread_count(requested: int | None, environ: Mapping[str, str] = os.environ) -> ThreadCount:
     """``choose_threads`` for this process, read now."""
     return choose_threads(requested, omp_num_threads(environ), available_cpus(), own_cpu_quota())
+
+
+def side_shape(num_threads: int, requested: int) -> tuple[int, int]:
+    """(passes at once, intra-op threads each) on ``num_threads`` threads: ``requested``
+    passes (0: one per thread, up to ``MAX_SIDE_PASSES``), at most one per thread."""
+    passes = requested or MAX_SIDE_PASSES
+    passes = max(1, min(passes, num_threads))
+    return passes, max(1, num_threads // passes)
+
+
+MAX_SIDE_PASSES = 4
+"""The most passes at once by default: each holds the GIL for its Python between operators,
+so past a few they wait on each other."""
+
+
+def on_threads(forward: Forward, num_threads: int) -> Forward:
+    """``forward`` run on ``num_threads`` intra-op threads, the calling thread's own count
+    restored after it (the model thread also runs passes on every thread)."""
+    from models import current_cpu_threads, set_cpu_threads
+
+    def forward_on_threads(items: Sequence[Any]) -> list[Any]:
+        before = current_cpu_threads()
+        if before == num_threads:
+            return forward(items)
+        set_cpu_threads(num_threads)
+        try:
+            return forward(items)
+        finally:
+            set_cpu_threads(before)
+
+    return forward_on_threads

@@ -59,7 +59,9 @@ def replica(tmp_path_factory):
     with run_server(
         tmp_path_factory.mktemp("replica"),
         "--metrics-port", str(metrics_port), "--max-queue-items", str(QUEUE_ITEMS),
-        "--max-inputs-per-request", str(MAX_INPUTS), "--max-batch-size", "8",
+        # Batches of 4: a full queue's inputs take 4 passes, more than run at once (side by
+        # side), so the queue holds work for seconds while the 429 is asked for.
+        "--max-inputs-per-request", str(MAX_INPUTS), "--max-batch-size", "4",
     ) as server:  # fmt: skip
         server.metrics_url = f"http://127.0.0.1:{metrics_port}"
         yield server

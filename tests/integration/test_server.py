@@ -145,6 +145,13 @@ def test_concurrent_requests_are_batched_and_answered_in_order(server, reference
         before, "batchfit_batch_size_bucket", f'le="1.0",{MODEL}'
     )
     assert singles < batches  # some batches held more than one item
+    # On this CPU, with memory to spare, passes ran side by side while work waited, and their
+    # outputs match the reference above as those of passes alone do.
+    assert re.search(r"forward passes: up to \d+ at a time while work waits", server.log())
+    beside = metric(after, "batchfit_side_by_side_batches_total") - metric(
+        before, "batchfit_side_by_side_batches_total"
+    )
+    assert 0 < beside <= batches
 
 
 def test_a_model_computing_on_the_cpu_moves_no_thread(server):
