@@ -258,3 +258,27 @@ def _budget(shared_bytes: float | None, max_items: int = 128, max_tokens: int = 
 )
 def test_passes_go_side_by_side_where_memory_cannot_bind_them(shared_bytes, passes, roomy):
     assert room_for_passes(_budget(shared_bytes), passes, max_len=256) is roomy
+
+
+def test_a_side_pass_runs_on_its_share_of_the_threads_and_restores_the_callers():
+    from models import current_cpu_threads, set_cpu_threads
+    from server.runtime.threads import on_threads
+
+    seen: list[int] = []
+    interrupted: list[bool] = []
+
+    def forward(items):
+        seen.append(current_cpu_threads())
+        return list(items)
+
+    def on_its_own_thread() -> None:
+        set_cpu_threads(2)
+        side = on_threads(forward, 1, lambda: interrupted.append(True))
+        assert side(["a"]) == ["a"]
+        seen.append(current_cpu_threads())
+
+    thread = threading.Thread(target=on_its_own_thread)
+    thread.start()
+    thread.join(TIMEOUT)
+    assert seen == [1, 2]  # one thread in the pass, the caller's two after it
+    assert interrupted == [True]  # the thread guard hears of every pass side by side

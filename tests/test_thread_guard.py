@@ -93,6 +93,25 @@ def test_on_a_busy_host_passes_stay_on_one_thread_where_it_is_faster():
     assert guard.num_fallbacks == 2
 
 
+def test_passes_side_by_side_end_a_trial_and_a_hold_the_next_pass_alone_on_every_thread():
+    """What passes alone showed before a spell of passes side by side does not hold after it:
+    the next pass alone starts over on every thread."""
+    host = Host(pass_s=0.04, one_thread_s=0.03, busy_share=0.35)
+    guard, forward, applied, gauge = guarded(host)
+    run(forward, host, 0.5)  # busy: trying one thread
+    assert applied == [1]
+    guard.interrupt()  # passes side by side ran (they call it from their own threads)
+    assert applied == [1]  # applied on the model thread, before its next pass alone
+    run(forward, host, 0.04)
+    assert applied == [1, 2] and host.threads_seen[-1] == 2
+    assert gauge.collect()[0].samples[0].value == 2
+    run(forward, host, 1.0)  # busy again: a new trial, one thread proves faster and holds
+    assert applied == [1, 2, 1] and guard.num_fallbacks == 1
+    guard.interrupt()
+    run(forward, host, 0.04)  # the hold dropped: every thread
+    assert applied == [1, 2, 1, 2] and host.threads_seen[-1] == 2
+
+
 def test_on_a_busy_host_passes_go_back_to_every_thread_where_one_is_slower():
     """A batch large enough to gain from every thread even while it waits for a CPU."""
     host = Host(pass_s=0.4, one_thread_s=0.7, busy_share=0.35)

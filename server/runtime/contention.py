@@ -83,6 +83,7 @@ class ThreadGuard:
         self._trying_one = False
         self._disabled = False
         self._light = False  # the last pass was shorter than min_pass_s
+        self._interrupted = False  # passes side by side ran since the last pass alone
         self.num_fallbacks = 0
         """How often one thread proved faster and the passes stayed on it."""
         if gauge is not None:
@@ -112,6 +113,14 @@ class ThreadGuard:
 
         return guarded_forward
 
+    def interrupt(self) -> None:
+        """Passes ran side by side (``batching/side.py``), on other threads or this one: from
+        any thread. The next guarded pass starts over on every thread, its windows and any
+        choice held dropped: passes alone timed before a busy spell and after it do not
+        compare (a guard that had just tried one thread on the spell's last passes kept it
+        for the idle client that followed: 18 against 13 ms a request)."""
+        self._interrupted = True
+
     def _read(self) -> float:
         try:
             return self._run_delay()
@@ -124,6 +133,12 @@ class ThreadGuard:
             return 0.0
 
     def _before(self) -> None:
+        if self._interrupted:
+            self._interrupted = False
+            self._until, self._trying_one, self._window = None, False, _Window()
+            if self.threads != self.num_threads:
+                self._use(self.num_threads)
+            return
         if self._until is not None and self._clock() >= self._until:
             self._until = None
             self._window = _Window()

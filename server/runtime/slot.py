@@ -85,9 +85,12 @@ class ModelSlot:
         side by side, on that many intra-op threads each."""
         assert self.model is not None and self.sizer is not None
         forward = profiler.wrap(self.model.forward)
+        side_forward = None
+        if side_threads:
+            side_forward = on_threads(forward, side_threads, guard.interrupt if guard else None)
         return Lane(
             self.name, guard.wrap(forward) if guard else forward, self.sizer,
-            side_forward=on_threads(forward, side_threads) if side_threads else None,
+            side_forward=side_forward,
         )  # fmt: skip
 
     def card(self) -> dict[str, object]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,12 +75,17 @@ MAX_SIDE_PASSES = 4
 so past a few they wait on each other."""
 
 
-def on_threads(forward: Forward, num_threads: int) -> Forward:
+def on_threads(
+    forward: Forward, num_threads: int, before_each: Callable[[], None] | None = None
+) -> Forward:
     """``forward`` run on ``num_threads`` intra-op threads, the calling thread's own count
-    restored after it (the model thread also runs passes on every thread)."""
+    restored after it (the model thread also runs passes on every thread); ``before_each``
+    is called before each pass."""
     from models import current_cpu_threads, set_cpu_threads
 
     def forward_on_threads(items: Sequence[Any]) -> list[Any]:
+        if before_each is not None:
+            before_each()
         before = current_cpu_threads()
         if before == num_threads:
             return forward(items)
