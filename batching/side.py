@@ -53,9 +53,8 @@ class SideBySide:
     def __init__(self, batcher: Batcher, main: ModelThread, others: Sequence[ModelThread]) -> None:
         self._batcher = batcher
         self._main = main
-        self._free = [*others, main]  # popped from the end: a pass alone takes ``main``
+        self._free = [*others, main]  # free threads; a pass alone runs on ``main``
         self._running: dict[asyncio.Task[None], tuple[ModelThread, float]] = {}
-        self._alone = False  # the running pass runs alone, on every core
         self._error: BaseException | None = None
         batcher.metrics.passes_at_once.set(len(self._free))
 
@@ -68,7 +67,7 @@ class SideBySide:
                 if self._error is not None:
                     raise self._error
                 queue.changed.clear()
-                if self._free and not self._alone and queue.waiting(1) and await self._start():
+                if self._free and queue.waiting(1) and await self._start():
                     continue
                 await queue.changed.wait()
         finally:
@@ -107,23 +106,24 @@ class SideBySide:
             # the passes running (wait for one to end).
             return not self._running
         lane_state, batch = planned
-        alone = not self._running and (not beside or not batcher.queue.waiting(1))
-        thread = self._main if alone else self._free[-1]
-        self._free.remove(thread)
+        if not self._running and (not beside or not batcher.queue.waiting(1)):
+            # Alone: nothing may start beside it, so it runs here, as ``Batcher.step`` runs
+            # every pass (a lone request's path has no task more).
+            await self._pass(lane_state, batch, self._main, alone=True)
+            return True
+        thread = self._free.pop()
         budget = lane_state.budget
         predicted = 0.0
         if budget is not None and budget.predict_bytes is not None:
             predicted = budget.predict_bytes(len(batch), max(p.cost for p in batch))
-        task = asyncio.create_task(self._pass(lane_state, batch, thread, alone))
+        task = asyncio.create_task(self._pass(lane_state, batch, thread, alone=False))
         self._running[task] = (thread, predicted)
-        self._alone = alone
-        if not alone:
-            batcher.metrics.side_by_side.inc()
+        batcher.metrics.side_by_side.inc()
         task.add_done_callback(self._ended)
         return True
 
     async def _pass(
-        self, lane: _LaneState, batch: list[Pending], thread: ModelThread, alone: bool
+        self, lane: _LaneState, batch: list[Pending], thread: ModelThread, *, alone: bool
     ) -> None:
         in_flight = self._batcher._in_flight
         in_flight[thread] = batch  # NOTE: left set if cancelled, so Batcher.run fails these.
@@ -133,7 +133,6 @@ class SideBySide:
     def _ended(self, task: asyncio.Task[Any]) -> None:
         thread, _ = self._running.pop(task)
         self._free.append(thread)
-        self._alone = False
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()
         self._batcher.queue.changed.set()
