@@ -93,9 +93,10 @@ def test_on_a_busy_host_passes_stay_on_one_thread_where_it_is_faster():
     assert guard.num_fallbacks == 2
 
 
-def test_passes_side_by_side_end_a_trial_and_a_hold_the_next_pass_alone_on_every_thread():
-    """What passes alone showed before a spell of passes side by side does not hold after it:
-    the next pass alone starts over on every thread."""
+def test_passes_side_by_side_end_a_trial_and_the_passes_alone_after_them_hold_every_thread():
+    """What passes alone showed before or during a spell of passes side by side does not
+    hold after it: the next pass alone runs on every thread, and none tries one thread again
+    for the hold."""
     host = Host(pass_s=0.04, one_thread_s=0.03, busy_share=0.35)
     guard, forward, applied, gauge = guarded(host)
     run(forward, host, 0.5)  # busy: trying one thread
@@ -105,10 +106,12 @@ def test_passes_side_by_side_end_a_trial_and_a_hold_the_next_pass_alone_on_every
     run(forward, host, 0.04)
     assert applied == [1, 2] and host.threads_seen[-1] == 2
     assert gauge.collect()[0].samples[0].value == 2
-    run(forward, host, 1.0)  # busy again: a new trial, one thread proves faster and holds
+    run(forward, host, 9.0)  # still busy, but no trial within the hold
+    assert applied == [1, 2] and set(host.threads_seen[-200:]) == {2}
+    run(forward, host, 2.0)  # the hold is over: a new trial; one thread proves faster
     assert applied == [1, 2, 1] and guard.num_fallbacks == 1
     guard.interrupt()
-    run(forward, host, 0.04)  # the hold dropped: every thread
+    run(forward, host, 0.04)  # that choice dropped too: every thread
     assert applied == [1, 2, 1, 2] and host.threads_seen[-1] == 2
 
 

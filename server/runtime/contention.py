@@ -115,10 +115,10 @@ class ThreadGuard:
 
     def interrupt(self) -> None:
         """Passes ran side by side (``batching/side.py``), on other threads or this one: from
-        any thread. The next guarded pass starts over on every thread, its windows and any
-        choice held dropped: passes alone timed before a busy spell and after it do not
-        compare (a guard that had just tried one thread on the spell's last passes kept it
-        for the idle client that followed: 18 against 13 ms a request)."""
+        any thread. The next guarded pass runs on every thread, its windows and any trial
+        dropped, and no new trial for ``hold_s``: passes alone timed during a busy spell and
+        after it do not compare (a guard that had just tried one thread on the spell's last
+        passes kept it for the idle client that followed: 18 against 13 ms a request)."""
         self._interrupted = True
 
     def _read(self) -> float:
@@ -135,7 +135,8 @@ class ThreadGuard:
     def _before(self) -> None:
         if self._interrupted:
             self._interrupted = False
-            self._until, self._trying_one, self._window = None, False, _Window()
+            self._trying_one, self._window = False, _Window()
+            self._until = self._clock() + self._hold_s  # no trial on the spell's leftovers
             if self.threads != self.num_threads:
                 self._use(self.num_threads)
             return
