@@ -282,3 +282,20 @@ def test_a_side_pass_runs_on_its_share_of_the_threads_and_restores_the_callers()
     thread.join(TIMEOUT)
     assert seen == [1, 2]  # one thread in the pass, the caller's two after it
     assert interrupted == [True]  # the thread guard hears of every pass side by side
+
+
+@pytest.mark.parametrize(
+    ("threads", "requested", "shape"),
+    [
+        (2, 0, (2, 1)),  # by default one pass per thread...
+        (16, 0, (4, 4)),  # ... up to 4, the threads shared out
+        (1, 0, (1, 1)),  # one thread: one pass at a time
+        (2, 1, (1, 2)),  # --cpu-passes 1: one at a time on every thread
+        (8, 2, (2, 4)),
+        (2, 8, (2, 1)),  # never more passes than threads
+    ],
+)
+def test_passes_at_once_and_threads_each(threads, requested, shape):
+    from server.runtime.threads import side_shape
+
+    assert side_shape(threads, requested) == shape

@@ -224,14 +224,14 @@ class Runtime:
             # The first forward pass starts torch's thread pool; start every thread before a
             # memory limit caps the address space.
             await self.model_thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
-        side_passes, side_threads = (
+        passes, threads_each = (
             side_shape(threads.num_threads, self.settings.cpu_passes)
             if info.device == "cpu" else (1, 0)
         )  # fmt: skip
-        for number in range(1, side_passes):
+        for number in range(1, passes):
             thread = ModelThread(f"batchfit-side-{number}")
-            await thread.call(set_cpu_threads, side_threads)
-            if side_threads > 1:  # its own pool of torch threads, started as above
+            await thread.call(set_cpu_threads, threads_each)
+            if threads_each > 1:  # its own pool of torch threads, started as above
                 for slot in self._slots:
                     await thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
             self.side_threads.append(thread)
@@ -250,7 +250,7 @@ class Runtime:
                 slot.lane(
                     self.profiler,
                     self.thread_guard,
-                    side_threads=side_threads if self.side_threads else None,
+                    threads_beside=threads_each if self.side_threads else None,
                 )
                 for slot in self._slots
             ],
@@ -275,7 +275,7 @@ class Runtime:
                 self.memory_metrics.for_model(slot.name).proven_length.set(report.proven_length)
         self.batcher.record_ceilings()
         if self.side_threads:
-            self._choose_side_by_side(side_threads)
+            self._choose_side_by_side(threads_each)
         self.phase = "starting the batcher"
         self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
         self._task.add_done_callback(self._batcher_done)
@@ -308,7 +308,7 @@ class Runtime:
             for slot in self._slots
             if slot.sizer is not None
         )
-        if roomy and self.settings.cpu_passes != 1:
+        if roomy:
             self.batcher.run_side_by_side(self.side_threads)
             log.info(
                 "forward passes: up to %d at a time while work waits, %d torch thread%s each "

@@ -79,15 +79,15 @@ class ModelSlot:
 
     def lane(
         self, profiler: BatchProfiler, guard: ThreadGuard | None = None, *,
-        side_threads: int | None = None,
+        threads_beside: int | None = None,
     ) -> Lane:  # fmt: skip
-        """The batcher's view of this model; with ``side_threads``, its passes may also run
+        """The batcher's view of this model; with ``threads_beside``, its passes may also run
         side by side, on that many intra-op threads each."""
         assert self.model is not None and self.sizer is not None
         forward = profiler.wrap(self.model.forward)
         side_forward = None
-        if side_threads:
-            side_forward = on_threads(forward, side_threads, guard.interrupt if guard else None)
+        if threads_beside:
+            side_forward = on_threads(forward, threads_beside, guard.interrupt if guard else None)
         return Lane(
             self.name, guard.wrap(forward) if guard else forward, self.sizer,
             side_forward=side_forward,
