@@ -123,7 +123,6 @@ class Batcher:
         fatal_errors: tuple[type[BaseException], ...] = (),
         probe: MemoryProbe | None = None,
         memory_metrics: MemoryMetrics | None = None,
-        side_threads: Sequence[ModelThread] = (),
     ) -> None:
         if not lanes or len({lane.name for lane in lanes}) != len(lanes):
             raise ValueError(f"lanes need distinct names, got {[lane.name for lane in lanes]}")
@@ -153,8 +152,6 @@ class Batcher:
         """The batch each thread runs (left set if cancelled, so ``run`` can fail them)."""
         self.side_by_side: SideBySide | None = None
         """Passes side by side, each on its own thread (``side.py``); None: one at a time."""
-        if side_threads:
-            self.run_side_by_side(side_threads)
         self.num_batches = 0
         metrics.queue_capacity.set(queue.max_items)
         # Read when scraped: a gauge set on every admission and every batch cost each request
@@ -196,11 +193,17 @@ class Batcher:
         if planned is None:
             return 0
         lane, batch = planned
-        thread = self._model_thread
-        self._in_flight[thread] = batch
-        await self.run_batch(lane, batch, thread)
-        del self._in_flight[thread]
+        await self.run_in_flight(lane, batch, self._model_thread)
         return len(batch)
+
+    async def run_in_flight(
+        self, lane: _LaneState, batch: Sequence[Pending], thread: ModelThread, *,
+        side: bool = False,
+    ) -> None:  # fmt: skip
+        """``run_batch``, its items failed by ``run`` if this is cancelled meanwhile."""
+        self._in_flight[thread] = batch  # NOTE: left set if cancelled, so run() fails these.
+        await self.run_batch(lane, batch, thread, side=side)
+        del self._in_flight[thread]
 
     async def next_batch(
         self, *, beside_bytes: float | None = None

@@ -27,7 +27,6 @@ from .planner import BatchBudget
 
 if TYPE_CHECKING:
     from .batcher import Batcher, _LaneState
-    from .queue import Pending
 
 SIDE_MEMORY_SHARE = 0.5
 """Passes side by side only where that many of the largest batch the caps allow fit within
@@ -109,26 +108,18 @@ class SideBySide:
         if not self._running and (not beside or not batcher.queue.waiting(1)):
             # Alone: nothing may start beside it, so it runs here, as ``Batcher.step`` runs
             # every pass (a lone request's path has no task more).
-            await self._pass(lane_state, batch, self._main, alone=True)
+            await batcher.run_in_flight(lane_state, batch, self._main)
             return True
         thread = self._free.pop()
         budget = lane_state.budget
         predicted = 0.0
         if budget is not None and budget.predict_bytes is not None:
             predicted = budget.predict_bytes(len(batch), max(p.cost for p in batch))
-        task = asyncio.create_task(self._pass(lane_state, batch, thread, alone=False))
+        task = asyncio.create_task(batcher.run_in_flight(lane_state, batch, thread, side=True))
         self._running[task] = (thread, predicted)
         batcher.metrics.side_by_side.inc()
         task.add_done_callback(self._ended)
         return True
-
-    async def _pass(
-        self, lane: _LaneState, batch: list[Pending], thread: ModelThread, *, alone: bool
-    ) -> None:
-        in_flight = self._batcher._in_flight
-        in_flight[thread] = batch  # NOTE: left set if cancelled, so Batcher.run fails these.
-        await self._batcher.run_batch(lane, batch, thread, side=not alone)
-        del in_flight[thread]
 
     def _ended(self, task: asyncio.Task[Any]) -> None:
         thread, _ = self._running.pop(task)

@@ -98,8 +98,8 @@ class Pair:
             oom_errors=(ModelOutOfMemory,),
             fatal_errors=(DeviceError,),
             probe=ScriptedProbe(free_bytes),
-            side_threads=self.threads[1:],
         )
+        self.batcher.run_side_by_side(self.threads[1:])
         self.task: asyncio.Task[None] | None = None
 
     def submit(self, texts: Sequence[str]) -> list[Pending]:
