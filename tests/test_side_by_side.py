@@ -130,6 +130,14 @@ class Pair:
             while not condition():
                 await asyncio.sleep(0.005)
 
+    @staticmethod
+    async def loop_turns(turns: int = 20) -> None:
+        """Let the event loop run this many times: the batcher plans (and takes from the
+        queue) on the loop, without waiting for anything once it wakes, so a batch it would
+        start has left the queue by then."""
+        for _ in range(turns):
+            await asyncio.sleep(0)
+
     def sample(self, name: str) -> float | None:
         return self.registry.get_sample_value(name)
 
@@ -174,10 +182,8 @@ async def test_a_batch_with_nothing_else_waiting_runs_alone_and_nothing_starts_b
     p.start()
     await p.until(lambda: p.model.running == 1)
     later = p.submit([f"t{i}" for i in range(8)])
-    # NOTE: a pass beside the lone one would start at once; the batcher has this long to
-    # start one (it must not), then the lone pass ends.
-    await asyncio.sleep(0.2)
-    assert p.model.running == 1
+    await p.loop_turns()
+    assert len(p.queue) == 8 and p.model.running == 1  # nothing planned beside the lone pass
     p.model.gate.set()
     await asyncio.wait_for(asyncio.gather(*(x.future for x in first + later)), TIMEOUT)
     assert first[0].future.result() == "alone:alone"
@@ -195,8 +201,8 @@ async def test_a_batch_that_does_not_fit_beside_the_running_pass_waits_for_it(pa
     pendings = p.submit([f"a{i} b c" for i in range(8)])
     p.start()
     await p.until(lambda: p.model.running == 1)
-    await asyncio.sleep(0.2)  # NOTE: as above: time enough to start a second pass
-    assert p.model.running == 1
+    await p.loop_turns()
+    assert len(p.queue) == 4 and p.model.running == 1  # the second batch waits, still queued
     p.model.gate.set()
     await asyncio.wait_for(asyncio.gather(*(x.future for x in pendings)), TIMEOUT)
     # The first went beside (work waited), the second alone once the first had ended.
