@@ -7,12 +7,13 @@ same model, sized by that model's sizer against the memory read just before the 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .clock import Clock
 from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
@@ -22,7 +23,7 @@ from .model_thread import ModelThread
 from .planner import BatchBudget, BatchPlan, plan_batch, refused_alone, split
 from .probes import MemoryProbe, MemoryReading
 from .queue import Pending, RequestQueue
-from .readings import MemoryWatch
+from .readings import Measurement, MemoryWatch
 from .side import SideBySide
 from .sizer import BatchOutcome, Sizer
 from .timing import BatchTimeModel
@@ -100,6 +101,15 @@ class _LaneState:
         if self._shown.get(gauge) != value:
             self._shown[gauge] = value
             gauge.set(value)
+
+
+class Planned(NamedTuple):
+    """A batch taken out of the queue for its lane's next pass, and the plan that chose it
+    (recorded once the pass has started: the model need not wait for the metrics)."""
+
+    lane: _LaneState
+    batch: list[Pending]
+    plan: BatchPlan
 
 
 class Batcher:
@@ -192,22 +202,19 @@ class Batcher:
         planned = await self.next_batch()
         if planned is None:
             return 0
-        lane, batch = planned
-        await self.run_in_flight(lane, batch, self._model_thread)
-        return len(batch)
+        await self.run_in_flight(planned, self._model_thread)
+        return len(planned.batch)
 
     async def run_in_flight(
-        self, lane: _LaneState, batch: Sequence[Pending], thread: ModelThread, *,
-        side: bool = False,
-    ) -> None:  # fmt: skip
+        self, planned: Planned, thread: ModelThread, *, side: bool = False
+    ) -> None:
         """``run_batch``, its items failed by ``run`` if this is cancelled meanwhile."""
+        batch = planned.batch
         self._in_flight[thread] = batch  # NOTE: left set if cancelled, so run() fails these.
-        await self.run_batch(lane, batch, thread, side=side)
+        await self.run_batch(planned.lane, batch, thread, side=side, plan=planned.plan)
         del self._in_flight[thread]
 
-    async def next_batch(
-        self, *, beside_bytes: float | None = None
-    ) -> tuple[_LaneState, list[Pending]] | None:
+    async def next_batch(self, *, beside_bytes: float | None = None) -> Planned | None:
         """Wait for work, then plan the next batch and take it out of the queue (None: what
         waited expired or was refused). ``beside_bytes``: the predicted peaks of passes
         still running, kept out of its memory budget (None, too, where even the first
@@ -260,8 +267,7 @@ class Batcher:
         )
         batch = [waiting[i] for i in plan.indices]
         self.queue.remove(batch)
-        self._record_dispatch(lane, batch, plan)
-        return lane, batch
+        return Planned(lane, batch, plan)
 
     def _refuse(
         self, lane: _LaneState, pending: Pending, predicted: float, budget: BatchBudget,
@@ -360,8 +366,9 @@ class Batcher:
             _fail(pending, DeadlineExceeded(now - pending.arrival_s))
         return [p for p in waiting if p.deadline_s > now]
 
-    def _record_dispatch(self, lane: _LaneState, batch: Sequence[Pending], plan: BatchPlan) -> None:
-        now = self.clock.now()
+    def _record_dispatch(
+        self, lane: _LaneState, batch: Sequence[Pending], plan: BatchPlan, now: float
+    ) -> None:
         metrics = lane.metrics
         for pending in batch:
             metrics.queue_wait.observe(now - pending.arrival_s)
@@ -372,36 +379,35 @@ class Batcher:
 
     async def run_batch(
         self, lane: _LaneState, batch: Sequence[Pending], thread: ModelThread, *,
-        side: bool = False,
+        side: bool = False, plan: BatchPlan | None = None,
     ) -> None:  # fmt: skip
         """Run ``batch`` on ``thread``; on OOM split it in two and run each half, down to one
         item. ``side``: a pass beside others (``lane.side_forward``), its peak not measured
-        (it is the process's) and its time learnt by the lane's side time model."""
+        (it is the process's) and its time learnt by the lane's side time model. ``plan``:
+        the plan that took ``batch`` out of the queue, recorded once its pass has started."""
         live = [p for p in batch if not p.cancelled]
         if len(live) < len(batch):
             self.metrics.cancelled.labels("queued").inc(len(batch) - len(live))
         if not live:
             return
         padded_len = max(p.cost for p in live)
-        lane.metrics.batch_size.observe(len(live))
-        lane.metrics.batch_tokens.observe(len(live) * padded_len)
-        predicted = self._record_prediction(lane, len(live), padded_len)
-        started = self.clock.now()
-        self.num_batches += 1
-        for pending in live:
-            if pending.started_s is None:
-                pending.started_s = started
-            pending.batch = (self.num_batches, len(live))
         items = [p.item for p in live]
+        started = self.clock.now()
+        predicted: float | None = None
+        later: asyncio.Future[Measurement | None] | None = None
         try:
             if side:
                 assert lane.side_forward is not None
-                outputs = await thread.call(self.memory.unmeasured, lane.side_forward, items)
-                measured = later = None
+                answer: asyncio.Future[Any] = thread.start(
+                    self.memory.unmeasured, lane.side_forward, items
+                )
             else:
-                (outputs, measured), later = await thread.call_then(
+                answer, later = thread.start_then(
                     self.memory.forward, lane.forward, items, self.queue
                 )
+            # What the pass does not need is recorded while the model runs it.
+            predicted = self._record_start(lane, live, padded_len, started, plan)
+            outputs, measured = (await answer, None) if side else await answer
         except self._oom_errors as exc:
             self.memory.forget()  # the next plan reads what the failed batch left
             lane.sizer.on_oom(len(live), padded_len)
@@ -473,6 +479,22 @@ class Batcher:
         if lane.time_model is not None:
             lane.time_model.observe(len(live), padded_len, elapsed)
         self._record_peak(lane, predicted, peak)
+
+    def _record_start(
+        self, lane: _LaneState, live: Sequence[Pending], padded_len: int, started: float,
+        plan: BatchPlan | None,
+    ) -> float | None:  # fmt: skip
+        """A pass has started: its metrics and its items' tags; its predicted peak."""
+        if plan is not None:
+            self._record_dispatch(lane, live, plan, started)
+        lane.metrics.batch_size.observe(len(live))
+        lane.metrics.batch_tokens.observe(len(live) * padded_len)
+        self.num_batches += 1
+        for pending in live:
+            if pending.started_s is None:
+                pending.started_s = started
+            pending.batch = (self.num_batches, len(live))
+        return self._record_prediction(lane, len(live), padded_len)
 
     def _record_prediction(self, lane: _LaneState, num_items: int, padded_len: int) -> float | None:
         budget = lane.budget

@@ -55,10 +55,14 @@ class ModelThread:
         """Run ``fn(*args)`` on the thread; its result or exception comes back here. If the
         caller is cancelled first, a call still queued is skipped; a running one finishes
         and its outcome is dropped."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._submit((fn, args, loop, future, None))
-        return await future
+        return await self.start(fn, *args)
+
+    def start(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """``call``, handed to the thread now: the caller awaits the future once it has done
+        what need not delay the call (awaited, it is cancelled like ``call``)."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._submit((fn, args, future.get_loop(), future, None))
+        return future
 
     async def call_then(
         self, fn: Callable[..., tuple[T, Callable[[], U] | None]], *args: Any
@@ -69,11 +73,19 @@ class ModelThread:
         where it is None, the future is settled with None in the same hand-back as the
         answer. An exception from ``fn`` comes back here, the future cancelled with it.
         Cancelled like ``call``; a ``then`` whose caller is gone runs all the same."""
+        answer, rest = self.start_then(fn, *args)
+        return await answer, rest
+
+    def start_then(
+        self, fn: Callable[..., tuple[T, Callable[[], U] | None]], *args: Any
+    ) -> tuple[asyncio.Future[T], asyncio.Future[U | None]]:
+        """``call_then``, handed to the thread now, as ``start``: the answer's future, and the
+        rest's."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[T] = loop.create_future()
         rest: asyncio.Future[U | None] = loop.create_future()
         self._submit((fn, args, loop, answer, rest))
-        return await answer, rest
+        return answer, rest
 
     def _submit(self, job: _Job) -> None:
         with self._lock:

@@ -104,18 +104,17 @@ class SideBySide:
             # Expired or refused items left the queue (plan again), or nothing fits beside
             # the passes running (wait for one to end).
             return not self._running
-        lane_state, batch = planned
         if not self._running and (not beside or not batcher.queue.waiting(1)):
             # Alone: nothing may start beside it, so it runs here, as ``Batcher.step`` runs
             # every pass (a lone request's path has no task more).
-            await batcher.run_in_flight(lane_state, batch, self._main)
+            await batcher.run_in_flight(planned, self._main)
             return True
         thread = self._free.pop()
-        budget = lane_state.budget
+        budget, batch = planned.lane.budget, planned.batch
         predicted = 0.0
         if budget is not None and budget.predict_bytes is not None:
             predicted = budget.predict_bytes(len(batch), max(p.cost for p in batch))
-        task = asyncio.create_task(batcher.run_in_flight(lane_state, batch, thread, side=True))
+        task = asyncio.create_task(batcher.run_in_flight(planned, thread, side=True))
         self._running[task] = (thread, predicted)
         batcher.metrics.side_by_side.inc()
         task.add_done_callback(self._ended)

@@ -246,6 +246,29 @@ async def test_the_next_batch_goes_to_the_model_before_the_last_ones_requests_re
         assert error is None or isinstance(error, ShuttingDown)
 
 
+async def test_a_batch_goes_to_the_model_before_its_metrics_are_recorded(
+    harness_factory, model_thread
+):
+    # What the pass does not need (its histograms, its queue waits) is recorded while the
+    # model runs it, not before it starts.
+    h = harness_factory()
+    pendings = h.submit(["a", "b b"])
+    metrics = h.batcher.lanes["scripted"].metrics
+    calls_before = model_thread.num_calls
+    handed = []
+    for histogram in (metrics.queue_wait, metrics.batch_size):
+        observe = histogram.observe
+
+        def spy(value, observe=observe):
+            handed.append(model_thread.num_calls - calls_before)
+            observe(value)
+
+        histogram.observe = spy
+    assert await asyncio.wait_for(h.batcher.step(), TIMEOUT) == 2
+    assert [p.future.result() for p in pendings] == ["out:a", "out:b b"]
+    assert handed == [1, 1, 1]  # two queue waits and the batch's size, each after the hand-off
+
+
 class SlowReadingProbe(ScriptedProbe):
     """Its peak and its reads on the model thread wait for ``release``. Each notes how many
     hand-backs to the loop (``counts``, from ``counting_threadsafe_calls``) came before it."""

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from batching import Pending, RequestQueue
+from batching import Pending, QueueFull, RequestQueue
 from models import Item, Tokens
 from server import Settings, create_app
 from server.cache import ENTRY_OVERHEAD_BYTES, InputCache, OutputStore, cache_key, stored_value
@@ -295,6 +295,29 @@ async def test_no_requester_left_means_the_input_never_runs(registry):
         await blocker
         assert runtime.inputs.in_flight() == 0
     assert "x" not in model.seen
+
+
+async def test_a_request_the_full_queue_refuses_leaves_nothing_waiting_behind(registry):
+    gate = threading.Event()
+    gate.set()
+    model = ScriptedModel(gate=gate)
+    async with replica(model, registry, max_queue_items=2, max_inputs_per_request=2) as runtime:
+        blocker = await _model_busy(runtime, model, gate)
+        held = asyncio.ensure_future(infer(runtime, ["x"]))
+        await _queued(runtime, 1)
+        with pytest.raises(QueueFull):  # 1 + 2 items: over the queue's 2
+            await infer(runtime, ["y", "z"])
+        # The refused request's computations were cancelled (they leave the table as the loop
+        # turns) and its wait ended: the same inputs run once there is room.
+        await asyncio.sleep(0)
+        assert runtime.inputs.in_flight() == 2  # the blocker's and "x"
+        assert runtime.work.active_requests == 2
+        gate.set()
+        await blocker
+        assert await held == (["out:x"], 3)
+        assert await infer(runtime, ["y", "z"]) == (["out:y", "out:z"], 6)
+        assert runtime.inputs.in_flight() == 0
+        assert runtime.work.active_requests == 0
 
 
 async def test_a_joiner_of_higher_priority_raises_the_shared_computation(registry):

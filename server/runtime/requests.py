@@ -84,22 +84,20 @@ class RequestPath:
             make_pending=make_pending, finish=_finisher(cut, bool(info.normalize)),
         )  # fmt: skip
         trace.cache_hits = admission.hits
-        if admission.queued:
-            try:
-                self._queue.put_many(admission.queued)
-            except BaseException:
-                self._inputs.release(admission)
-                raise
-            self._work.track(admission.queued)
         futures = admission.futures
         if admission.hits == len(futures):
             return [future.result() for future in futures], trace.tokens
+        # NOTE: the wait is set up before the items are queued: the batcher wakes only once
+        # this task yields, and a lone request's batch would otherwise start that much later.
         wait = RequestWait(
             loop, futures, timeout_s=timeout_s, client=client,
             deadline_error=functools.partial(deadline_exceeded, timeout_s),
         )  # fmt: skip
         disconnected = False
         try:
+            if admission.queued:
+                self._queue.put_many(admission.queued)
+                self._work.track(admission.queued)
             await wait.future
         except ClientDisconnected:
             disconnected = True
