@@ -115,6 +115,53 @@ def test_passes_side_by_side_end_a_trial_and_the_passes_alone_after_them_hold_ev
     assert applied == [1, 2, 1, 2] and host.threads_seen[-1] == 2
 
 
+def test_until_it_begins_a_guard_judges_nothing_however_busy_the_host():
+    host = Host(pass_s=0.04, one_thread_s=0.03, busy_share=0.35)
+    reads: list[float] = []
+    guard, forward, applied, _ = guarded(host, judging=False)
+    guard._run_delay = lambda: reads.append(host.delay) or host.delay
+    run(forward, host, 5.0)  # warm-up's passes: every thread, no read, no trial
+    assert applied == [] and set(host.threads_seen) == {2} and reads == []
+    guard.begin()
+    run(forward, host, 1.0)
+    assert applied[:1] == [1] and reads  # judged from then on: busy, so one thread is tried
+
+
+async def test_a_replica_s_guard_judges_no_pass_of_its_warm_up(tmp_path, registry, monkeypatch):
+    from models.testing import save_tiny_model
+    from server.runtime import runtime as runtime_module
+    from server.runtime.contention import RunDelay
+    from server.runtime.runtime import Runtime
+    from server.runtime.threads import AFFINITY, ThreadCount
+    from server.settings import Settings
+
+    folder = save_tiny_model(tmp_path / "m")
+    # Two threads from the CPU affinity, as on a host of two CPUs or more: a guard is made.
+    monkeypatch.setattr(runtime_module, "thread_count", lambda flag: ThreadCount(2, AFFINITY))
+    passes: list[str] = []  # the phase of every guarded pass
+    reads: list[str] = []  # and of every read of the run delay
+    read, wrap = RunDelay.__call__, ThreadGuard.wrap
+    monkeypatch.setattr(
+        RunDelay, "__call__", lambda self: reads.append(runtime.phase) or read(self)
+    )
+
+    def counted(guard, forward):
+        guarded = wrap(guard, forward)
+        return lambda items: passes.append(runtime.phase) or guarded(items)
+
+    monkeypatch.setattr(ThreadGuard, "wrap", counted)
+    runtime = Runtime(Settings(model=(str(folder),), device="cpu"), registry=registry)
+    await runtime.start()
+    try:
+        assert runtime.startup_error is None and runtime.thread_guard is not None
+        assert any(phase.startswith("warming up") for phase in passes)
+        assert reads == []  # warm-up's passes ran through the guard, unjudged
+        await runtime.infer(["a few words"], truncate=True, timeout_s=30, request_id="t")
+        assert reads and set(reads) == {"ready"}
+    finally:
+        await runtime.stop()
+
+
 def test_on_a_busy_host_passes_go_back_to_every_thread_where_one_is_slower():
     """A batch large enough to gain from every thread even while it waits for a CPU."""
     host = Host(pass_s=0.4, one_thread_s=0.7, busy_share=0.35)

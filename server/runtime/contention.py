@@ -61,7 +61,7 @@ class ThreadGuard:
         self, num_threads: int, set_threads: Callable[[int], None], *,
         run_delay: Callable[[], float] | None = None, clock: Callable[[], float] = time.monotonic,
         window_s: float = 0.5, busy_share: float = 0.15, hold_s: float = 10.0,
-        min_pass_s: float = 0.001, gauge: Gauge | None = None,
+        min_pass_s: float = 0.001, gauge: Gauge | None = None, judging: bool = True,
     ) -> None:  # fmt: skip
         if num_threads < 2:
             raise ValueError(f"a guard needs 2 threads or more to fall back from: {num_threads}")
@@ -84,6 +84,9 @@ class ThreadGuard:
         self._disabled = False
         self._light = False  # the last pass was shorter than min_pass_s
         self._interrupted = False  # passes side by side ran since the last pass alone
+        self.judging = judging
+        """Whether passes are timed and judged; until then every one runs on every thread
+        (``begin``)."""
         self.num_fallbacks = 0
         """How often one thread proved faster and the passes stayed on it."""
         if gauge is not None:
@@ -91,7 +94,7 @@ class ThreadGuard:
 
     def wrap(self, forward: Forward) -> Forward:
         def guarded_forward(items: Sequence[Any]) -> list[Any]:
-            if self._disabled:
+            if self._disabled or not self.judging:
                 return forward(items)
             self._before()
             # NOTE: after a pass too short to count, the next is only timed: a model that
@@ -112,6 +115,14 @@ class ThreadGuard:
                         self._after(wall_s, delay, tokens)
 
         return guarded_forward
+
+    def begin(self) -> None:
+        """Judge the passes from the next on (a replica begins once it is warmed up: warm-up's
+        calibration batches grow from one shape to the next, so two windows of them do not
+        compare, and a host busy starting its replicas is not the one they will serve on. A
+        decision taken on them held one thread for 10 s of lone requests 30% slower than on
+        two)."""
+        self.judging = True
 
     def interrupt(self) -> None:
         """Passes ran side by side (``batching/side.py``), on other threads or this one: from

@@ -211,8 +211,9 @@ class Runtime:
             # NOTE: a count the operator chose (the flag, OMP_NUM_THREADS) is kept as it is.
             if threads.source in (AFFINITY, QUOTA) and threads.num_threads > 1:
                 self.thread_guard = ThreadGuard(
-                    threads.num_threads, set_cpu_threads, gauge=self.metrics.model_threads
-                )
+                    threads.num_threads, set_cpu_threads, gauge=self.metrics.model_threads,
+                    judging=False,
+                )  # fmt: skip
         if self.probe is None:
             self.probe = probes_for_device(
                 info.device, memory_limit_bytes=self.settings.memory_limit
@@ -289,6 +290,8 @@ class Runtime:
                 exit_when_forward_hangs(self.running_for, exit_s),
                 name="batchfit-forward-watch",
             )
+        if self.thread_guard is not None:
+            self.thread_guard.begin()
         if self._on_ready is not None:
             self._on_ready()  # before readiness: nothing is in flight yet
         self._started = True
