@@ -33,7 +33,8 @@ def test_the_store_evicts_the_least_recently_used_and_never_exceeds_its_bound():
     store = OutputStore(10 * entry, on_evict=evicted.append)
     for i in range(5):
         assert store.put(_key(i), value)
-    assert store.get(_key(0)) == (True, value)  # 0 becomes the most recently used
+    found, stored = store.get(_key(0))  # 0 becomes the most recently used
+    assert found and np.array_equal(stored, value)
     first_eviction = None
     for i in range(5, 40):
         assert store.put(_key(i), value)
@@ -57,10 +58,13 @@ def test_a_value_larger_than_the_bound_is_not_stored():
 
 def test_a_stored_array_is_its_own_read_only_copy():
     batch = np.arange(12, dtype=np.float32).reshape(3, 4)
-    row = stored_value(batch[1])
-    assert not np.shares_memory(row, batch) and row.base is None  # the batch can be freed
-    with pytest.raises(ValueError):
-        row[0] = 5.0
+    store = OutputStore(1 << 20)
+    assert store.put(_key(0), batch[1])  # an answer: a row of its batch's outputs
+    for row in (stored_value(batch[1]), store.get(_key(0))[1]):
+        assert np.array_equal(row, batch[1])
+        assert not np.shares_memory(row, batch) and row.base is None  # the batch can be freed
+        with pytest.raises(ValueError):
+            row[0] = 5.0
 
 
 # --- the key ---

@@ -71,11 +71,12 @@ class OutputStore:
         return True, found[0]
 
     def put(self, key: CacheKey, value: Any) -> bool:
-        """Store ``value`` (from ``stored_value``) under ``key``, evicting the least recently
-        used entries for room; False if it cannot fit even alone."""
+        """Store ``stored_value(value)`` under ``key``, evicting the least recently used
+        entries for room; False if it cannot fit even alone."""
         size = key_bytes(key) + value_bytes(value) + ENTRY_OVERHEAD_BYTES
         if size > self.max_bytes:
             return False
+        value = stored_value(value)
         old = self._entries.pop(key, None)
         if old is not None:
             self._account(key[0], -old[1])

@@ -13,7 +13,7 @@ from typing import Any
 from batching import BatchingMetrics, Clock, ModelThread, Pending, RequestQueue
 from models import Item, truncate_dimensions
 
-from ..cache import InputCache, stored_value
+from ..cache import InputCache
 from ..errors import deadline_exceeded
 from .slot import ModelSlot, prepare_call, tokenize_inline
 from .trace import RequestTrace
@@ -115,12 +115,16 @@ class RequestPath:
 
 
 def _finisher(dimensions: int | None, normalize: bool) -> Callable[[Any], Any]:
-    """What a computed output becomes before it is stored and answered: its own copy
-    (read-only), cut to ``dimensions`` first when given."""
+    """What a computed output becomes before it is answered (and stored: the store keeps its
+    own read-only copy): cut to ``dimensions`` where given, else as it is."""
     if dimensions is None:
-        return stored_value
+        return _as_is
 
     def cut(output: Any) -> Any:
-        return stored_value(truncate_dimensions(output, dimensions, normalize))
+        return truncate_dimensions(output, dimensions, normalize)
 
     return cut
+
+
+def _as_is(output: Any) -> Any:
+    return output
