@@ -162,6 +162,26 @@ async def test_a_replica_s_guard_judges_no_pass_of_its_warm_up(tmp_path, registr
         await runtime.stop()
 
 
+def test_while_a_choice_holds_the_passes_run_untimed():
+    """Nothing a pass shows during a hold is judged, so none reads its wait for a CPU."""
+    host = Host(pass_s=0.04, one_thread_s=0.03, busy_share=0.35)
+    reads: list[float] = []
+    guard, forward, applied, _ = guarded(host)
+    guard._run_delay = lambda: reads.append(host.delay) or host.delay
+    run(forward, host, 1.2)  # busy: one thread tried for a window, and it holds
+    assert applied == [1] and guard.num_fallbacks == 1
+    held = len(reads)
+    run(forward, host, 9.0)
+    assert len(reads) == held and set(host.threads_seen[-200:]) == {1}
+    run(forward, host, 1.0)  # the hold is over: every thread again, judged (busy: a trial)
+    assert len(reads) > held and applied[:2] == [1, 2]
+    guard.interrupt()
+    run(forward, host, 0.04)
+    held = len(reads)
+    run(forward, host, 9.0)  # the hold after passes side by side: untimed too
+    assert len(reads) == held
+
+
 def test_on_a_busy_host_passes_go_back_to_every_thread_where_one_is_slower():
     """A batch large enough to gain from every thread even while it waits for a CPU."""
     host = Host(pass_s=0.4, one_thread_s=0.7, busy_share=0.35)
