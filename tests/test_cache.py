@@ -57,9 +57,10 @@ def test_a_value_larger_than_the_bound_is_not_stored():
 
 
 def test_a_stored_array_is_its_own_read_only_copy():
-    batch = np.arange(12, dtype=np.float32).reshape(3, 4)
+    batch = np.arange(3 * 4096, dtype=np.float32).reshape(3, 4096)
     store = OutputStore(1 << 20)
     assert store.put(_key(0), batch[1])  # an answer: a row of its batch's outputs
+    assert store.bytes >= batch[1].nbytes + ENTRY_OVERHEAD_BYTES  # the copy's, counted
     for row in (stored_value(batch[1]), store.get(_key(0))[1]):
         assert np.array_equal(row, batch[1])
         assert not np.shares_memory(row, batch) and row.base is None  # the batch can be freed

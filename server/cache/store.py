@@ -73,10 +73,10 @@ class OutputStore:
     def put(self, key: CacheKey, value: Any) -> bool:
         """Store ``stored_value(value)`` under ``key``, evicting the least recently used
         entries for room; False if it cannot fit even alone."""
+        value = stored_value(value)  # NOTE: before its size: a view owns none of its bytes
         size = key_bytes(key) + value_bytes(value) + ENTRY_OVERHEAD_BYTES
         if size > self.max_bytes:
             return False
-        value = stored_value(value)
         old = self._entries.pop(key, None)
         if old is not None:
             self._account(key[0], -old[1])
