@@ -445,21 +445,18 @@ class Batcher:
                 _fail(pending, InferenceFailed("inference failed"))
             return
         elapsed = self.clock.now() - started
+        lane.metrics.batch_duration.observe(elapsed)
         if len(outputs) != len(live):
             log.error("model returned %d outputs for %d inputs", len(outputs), len(live))
             for pending in live:
                 _fail(pending, InferenceFailed("model returned the wrong number of outputs"))
             return
         orphans = 0
-        settled = []
         for pending, output in zip(live, outputs, strict=True):
             if pending.future.done():
                 orphans += 1
             else:
                 pending.future.set_result(output)
-                settled.append(pending)
-        _tell_settled(settled)
-        lane.metrics.batch_duration.observe(elapsed)
         if orphans:
             self.metrics.cancelled.labels("running").inc(orphans)
         if side:
@@ -476,10 +473,6 @@ class Batcher:
         # while the model runs it, not with the model idle. Where none waited, the requests
         # resume here, while the model thread measures.
         assert later is not None or measured is not None
-        if measured is not None and not len(self.queue):
-            # Nothing waits for the next plan: the requests answered here resume first (their
-            # items' ``on_settled`` woke them for the next turn), and the learning follows.
-            await asyncio.sleep(0)
         peak, reading = measured if measured is not None else await self.memory.measurement(later)
         self.memory.keep(reading, started + elapsed)
         lane.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
@@ -537,18 +530,6 @@ class Batcher:
 def _fail(pending: Pending, error: Exception) -> None:
     if not pending.future.done():
         pending.future.set_exception(error)
-        _tell_settled((pending,))
-
-
-def _tell_settled(settled: Sequence[Pending]) -> None:
-    """Each item's ``on_settled``, once all of them are settled; an error in one is logged
-    (as the loop logs a done callback's) and the others still run."""
-    for pending in settled:
-        if pending.on_settled is not None:
-            try:
-                pending.on_settled(pending.future)
-            except Exception:
-                log.exception("passing on an input's outcome failed")
 
 
 def _needed_bytes(exc: BaseException) -> int | None:

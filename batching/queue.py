@@ -37,11 +37,6 @@ class Pending:
     index: int = 0
     model: str = ""
     """Which model runs this item; batch-mates always share it."""
-    on_settled: Callable[[asyncio.Future[Any]], None] | None = field(default=None, repr=False)
-    """Called with ``future`` on the event loop as the batcher settles it (a result or an
-    error), before the batcher yields: whoever made the item passes the outcome on in the same
-    turn of the loop, where a done callback runs a turn later. A future ended any other way
-    (cancelled; failed by the owner as it stops) reaches only its done callbacks."""
     seq: int = field(default=0, init=False)
     started_s: float | None = field(default=None, init=False)
     """When its first forward pass started (set by the batcher; the queue wait ends here)."""

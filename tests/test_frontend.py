@@ -83,38 +83,6 @@ async def test_one_hand_off_each_way_per_batch_whatever_its_size(registry, monke
     assert counts["threadsafe"] == 3
 
 
-async def test_a_lone_request_resumes_before_the_batcher_learns_from_its_batch(
-    registry, monkeypatch
-):
-    # Its input's outcome reaches its wait in the batcher's own turn of the loop (no chain of
-    # done callbacks, a turn each), and with nothing else waiting the batcher lets it resume
-    # before it learns from the batch: the answer does not wait for the sizer.
-    monkeypatch.setattr(server.settings, "MEMORY_READING_INTERVAL_S", 3600.0)  # none due
-    async with running(ScriptedModel(), registry, memory_release_idle_s=0) as client:
-        runtime = client._transport.app.state.runtime
-        sizer = runtime.batcher.lanes["scripted"].sizer
-        returned: list[str] = []
-        seen_at_observe: list[list[str]] = []
-        observe = sizer.observe
-
-        def spy(outcome):
-            seen_at_observe.append(list(returned))
-            observe(outcome)
-
-        sizer.observe = spy
-
-        async def request(text):
-            outputs, _ = await runtime.infer([text], truncate=True, timeout_s=TIMEOUT,
-                                             request_id=text)  # fmt: skip
-            returned.append(text)
-            return outputs
-
-        for text in ("a", "b b", "c"):
-            assert await asyncio.wait_for(request(text), TIMEOUT) == [f"out:{text}"]
-        await wait_until(lambda: len(seen_at_observe) == 3)
-    assert seen_at_observe == [["a"], ["a", "b b"], ["a", "b b", "c"]]
-
-
 def created_tasks(live):
     """Start recording the coroutine of every task the server's loop creates."""
     loop = live.server._loop

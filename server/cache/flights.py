@@ -22,14 +22,9 @@ from .key import CacheKey
 
 log = logging.getLogger("batchfit")
 
-WaiterDone = Callable[[asyncio.Future[Any]], None]
-"""Told of a waiter as soon as the flight has ended it (a result, an error, cancelled)."""
-
 
 class Flight:
-    """One computation and the futures waiting for its (finished) output, each with what to
-    tell once it is ended. The computation's end reaches the flight in the batcher's own turn
-    of the loop (``Pending.on_settled``), else through its done callback."""
+    """One computation and the futures waiting for its (finished) output."""
 
     __slots__ = ("_finish", "_on_value", "_settled", "_table", "key", "pending", "waiters")
 
@@ -40,12 +35,11 @@ class Flight:
     ) -> None:  # fmt: skip
         self.key = key
         self.pending = pending
-        self.waiters: list[tuple[asyncio.Future[Any], WaiterDone | None]] = []
+        self.waiters: list[asyncio.Future[Any]] = []
         self._finish = finish
         self._on_value = on_value
         self._table = table
         self._settled = False
-        pending.on_settled = self._done
         pending.future.add_done_callback(self._done)
 
     @property
@@ -56,13 +50,9 @@ class Flight:
         equal input arriving in that gap would otherwise run again)."""
         return not self._settled and not self.pending.future.cancelled()
 
-    def join(
-        self, waiter: asyncio.Future[Any], on_done: WaiterDone | None = None, *,
-        priority: int, deadline_s: float,
-    ) -> bool:  # fmt: skip
-        """Add ``waiter`` (``on_done`` is told once the flight ends it); return whether the
-        priority rose (the queue must re-sort it)."""
-        self.waiters.append((waiter, on_done))
+    def join(self, waiter: asyncio.Future[Any], *, priority: int, deadline_s: float) -> bool:
+        """Add ``waiter``; return whether the priority rose (the queue must re-sort it)."""
+        self.waiters.append(waiter)
         pending = self.pending
         pending.deadline_s = max(pending.deadline_s, deadline_s)
         return priority > pending.priority
@@ -70,11 +60,9 @@ class Flight:
     def leave(self, waiter: asyncio.Future[Any]) -> bool:
         """Drop ``waiter`` (its request is over); True if the computation was cancelled,
         having no waiter left."""
-        for i, (joined, _) in enumerate(self.waiters):
-            if joined is waiter:
-                del self.waiters[i]
-                break
-        else:
+        try:
+            self.waiters.remove(waiter)
+        except ValueError:
             return False
         if not self.waiters and not self.pending.future.done():
             self.pending.future.cancel()
@@ -82,33 +70,28 @@ class Flight:
         return False
 
     def _done(self, future: asyncio.Future[Any]) -> None:
-        if self._settled:  # told already (the batcher's turn), now its done callback
-            return
         self._settled = True
         if self._table is not None and self._table.get(self.key) is self:  # type: ignore[arg-type]
             del self._table[self.key]  # type: ignore[arg-type]
         waiters, self.waiters = self.waiters, []
         if future.cancelled():
-            for waiter, _ in waiters:
+            for waiter in waiters:
                 waiter.cancel()
-        else:
-            error = future.exception()
-            if error is None:
-                try:
-                    value = self._finish(future.result())
-                except Exception:  # a bug in shaping must still end every waiter
-                    log.exception("shaping an output failed")
-                    error = InferenceFailed("inference failed")
-                else:
-                    if self._on_value is not None and self.key is not None:
-                        self._on_value(self.key, value)
-            for waiter, _ in waiters:
-                if waiter.done():
-                    continue
-                if error is None:
-                    waiter.set_result(value)
-                else:
-                    waiter.set_exception(error)
-        for waiter, on_done in waiters:
-            if on_done is not None:
-                on_done(waiter)
+            return
+        error = future.exception()
+        if error is None:
+            try:
+                value = self._finish(future.result())
+            except Exception:  # a bug in shaping must still end every waiter
+                log.exception("shaping an output failed")
+                error = InferenceFailed("inference failed")
+            else:
+                if self._on_value is not None and self.key is not None:
+                    self._on_value(self.key, value)
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(value)
+                return
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(error)

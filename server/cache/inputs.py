@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from batching import Pending, RequestQueue
 from models import Item
 
-from .flights import Flight, WaiterDone
+from .flights import Flight
 from .key import CacheKey, cache_key
 from .metrics import CacheMetrics
 from .store import OutputStore
@@ -91,11 +91,8 @@ class InputCache:
         self, loop: asyncio.AbstractEventLoop, model: str, items: Sequence[Item], *,
         dimensions: int | None, priority: int, deadline_s: float,
         make_pending: MakePending, finish: Callable[[Any], Any],
-        on_done: WaiterDone | None = None,
     ) -> Admission:  # fmt: skip
-        """Sort ``items`` into hits, joins and new computations (see the module). ``on_done``
-        is told of each input's future that is not done on return (no hit) once its
-        computation has ended it, in the same turn of the loop."""
+        """Sort ``items`` into hits, joins and new computations (see the module)."""
         store, flights = self.store, self._flights
         table = flights if self.deduplicate else None
         admission = Admission([])
@@ -113,7 +110,7 @@ class InputCache:
                 misses += 1
             flight = flights.get(key) if key is not None and table is not None else None
             if flight is not None and flight.open:
-                if flight.join(waiter, on_done, priority=priority, deadline_s=deadline_s):
+                if flight.join(waiter, priority=priority, deadline_s=deadline_s):
                     self._queue.raise_priority(flight.pending, priority)
                 deduplicated += 1
             else:
@@ -122,7 +119,7 @@ class InputCache:
                     key, pending, finish=finish, on_value=self._put,
                     table=table if key is not None else None,
                 )  # fmt: skip
-                flight.join(waiter, on_done, priority=priority, deadline_s=deadline_s)
+                flight.waiters.append(waiter)
                 if key is not None and table is not None:
                     table[key] = flight
                 admission.queued.append(pending)

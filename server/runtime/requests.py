@@ -79,20 +79,18 @@ class RequestPath:
 
         info = slot.info
         cut = dimensions if dimensions is not None and dimensions != info.output_dim else None
-        wait = RequestWait(loop)
         admission = self._inputs.admit(
             loop, name, items, dimensions=cut, priority=priority, deadline_s=deadline,
             make_pending=make_pending, finish=_finisher(cut, bool(info.normalize)),
-            on_done=wait.item_done,
         )  # fmt: skip
         trace.cache_hits = admission.hits
         futures = admission.futures
         if admission.hits == len(futures):
             return [future.result() for future in futures], trace.tokens
-        # NOTE: the wait is armed before the items are queued: the batcher wakes only once
+        # NOTE: the wait is set up before the items are queued: the batcher wakes only once
         # this task yields, and a lone request's batch would otherwise start that much later.
-        wait.start(
-            futures, timeout_s=timeout_s, client=client,
+        wait = RequestWait(
+            loop, futures, timeout_s=timeout_s, client=client,
             deadline_error=functools.partial(deadline_exceeded, timeout_s),
         )  # fmt: skip
         disconnected = False
