@@ -11,7 +11,8 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -23,7 +24,7 @@ from .model_thread import ModelThread
 from .planner import BatchBudget, BatchPlan, plan_batch, refused_alone, split
 from .probes import MemoryProbe, MemoryReading
 from .queue import Pending, RequestQueue
-from .readings import Measurement, MemoryWatch
+from .readings import Measurement, MemoryWatch, closed_gate, open_gate
 from .side import SideBySide
 from .sizer import BatchOutcome, Sizer
 from .timing import BatchTimeModel
@@ -133,6 +134,7 @@ class Batcher:
         fatal_errors: tuple[type[BaseException], ...] = (),
         probe: MemoryProbe | None = None,
         memory_metrics: MemoryMetrics | None = None,
+        answered: Callable[[], bool] | None = None,
     ) -> None:
         if not lanes or len({lane.name for lane in lanes}) != len(lanes):
             raise ValueError(f"lanes need distinct names, got {[lane.name for lane in lanes]}")
@@ -150,6 +152,9 @@ class Batcher:
             for lane in lanes
         }
         self._model_thread = model_thread
+        self._answered = answered
+        """Whether every caller the batches settled has its answer (the server: none in
+        progress); the measurement after a lone batch waits for it (``MemoryWatch``)."""
         self._oom_errors = oom_errors
         self._fatal_errors = fatal_errors
         self.memory = MemoryWatch(
@@ -390,6 +395,16 @@ class Batcher:
             self.metrics.cancelled.labels("queued").inc(len(batch) - len(live))
         if not live:
             return
+        gate = closed_gate()  # the model thread's measurement after the outputs waits
+        try:
+            await self._run_batch(lane, live, thread, side, plan, gate)
+        finally:
+            open_gate(gate)  # on every path: nothing else opens it
+
+    async def _run_batch(
+        self, lane: _LaneState, live: list[Pending], thread: ModelThread, side: bool,
+        plan: BatchPlan | None, gate: threading.Lock,
+    ) -> None:  # fmt: skip
         padded_len = max(p.cost for p in live)
         items = [p.item for p in live]
         started = self.clock.now()
@@ -403,7 +418,7 @@ class Batcher:
                 )
             else:
                 answer, later = thread.start_then(
-                    self.memory.forward, lane.forward, items, self.queue
+                    self.memory.forward, lane.forward, items, self.queue, gate
                 )
             # What the pass does not need is recorded while the model runs it.
             predicted = self._record_start(lane, live, padded_len, started, plan)
@@ -473,7 +488,9 @@ class Batcher:
         # while the model runs it, not with the model idle. Where none waited, the requests
         # resume here, while the model thread measures.
         assert later is not None or measured is not None
-        peak, reading = measured if measured is not None else await self.memory.measurement(later)
+        if measured is None:
+            measured = await self.memory.measurement(later, gate, self._answered, self.queue)
+        peak, reading = measured
         self.memory.keep(reading, started + elapsed)
         lane.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
         if lane.time_model is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
@@ -37,6 +38,29 @@ Measurement = tuple[int | None, MemoryReading | None]
 """A batch's peak memory above its baseline, and a reading taken after it (or None)."""
 Answer = tuple[list[Any], Measurement | None]
 """A batch's outputs, with its measurement where it came back with them."""
+
+_ANSWER_TURNS = 8
+"""How many turns of the event loop a measurement after a batch's outputs waits, at most,
+for the requests they settled to be answered (``MemoryWatch.measurement``)."""
+_GATE_TIMEOUT_S = 1.0
+"""How long the model thread waits for its gate at most: a safety net (the batcher opens it
+on every path)."""
+
+
+def closed_gate() -> threading.Lock:
+    """A gate the model thread waits at (``acquire``, without the interpreter lock) until the
+    event loop opens it (``open_gate``): a lock held from the start. (A ``threading.Event``
+    took 16 us to make with the CPU's caches cold, on a lone request's way.)"""
+    gate = threading.Lock()
+    gate.acquire()
+    return gate
+
+
+def open_gate(gate: threading.Lock) -> None:
+    """Open ``gate``; from the event loop only (the model thread only takes it), so opening
+    it again is harmless."""
+    if gate.locked():
+        gate.release()
 
 
 class _ShapeWatch:
@@ -164,16 +188,19 @@ class MemoryWatch:
         )[0]
 
     def forward(
-        self, forward: Forward, items: Sequence[Any], waiting: Sized
-    ) -> tuple[Answer, Callable[[], Measurement] | None]:
+        self, forward: Forward, items: Sequence[Any], waiting: Sized,
+        gate: threading.Lock | None = None,
+    ) -> tuple[Answer, Callable[[], Measurement] | None]:  # fmt: skip
         """Runs on the model thread (``ModelThread.call_then``): the forward pass, then its
-        measurement (``_measure``). Where work waits (``waiting`` is not empty), or no
-        reading is due, the measurement goes back with the outputs (without a reading it is
-        one file read), so that the next batch is planned from it at once. Where none waits
-        and a reading is due, the outputs go back first and the measurement follows: taken
-        just after a forward pass, with the caches cold, it cost a lone all-MiniLM-L6-v2
-        request about 0.4 ms on a 2-CPU host, where a second hand-back after a short pass
-        cost more than it saved."""
+        measurement (``_measure``). Where work waits (``waiting`` is not empty), or there is
+        nothing to measure (an unmeasured batch, no reading due), the measurement goes back
+        with the outputs, so that the next batch is planned from it at once. Where none
+        waits, the outputs go back first and the measurement follows: taken just after a
+        forward pass, with the caches cold, a reading cost a lone all-MiniLM-L6-v2 request
+        about 0.4 ms on a 2-CPU host, and the peak's one file read alone 70 to 100 us. (A
+        batch is measured only where its pass is long enough, or its shape new: a second
+        hand-back after a short pass cost more than it saved.) A measurement that follows
+        waits for ``gate`` to open, where given (``measurement``)."""
         shapes = self._shapes.get(forward)
         if shapes is None:
             shapes = self._shapes[forward] = _ShapeWatch()
@@ -195,9 +222,16 @@ class MemoryWatch:
         measure = functools.partial(self._measure, baseline, due)
         # NOTE: ``waiting`` (the queue) is the event loop's, its length read from the model
         # thread: a stale one only changes which of the two goes back first.
-        if len(waiting) or not due:
+        if len(waiting) or (baseline is None and not due):
             return (outputs, measure()), None
-        return (outputs, None), measure
+        if gate is None:
+            return (outputs, None), measure
+
+        def measure_once_open() -> Measurement:
+            gate.acquire(timeout=_GATE_TIMEOUT_S)
+            return measure()
+
+        return (outputs, None), measure_once_open
 
     def _measures(self, shapes: _ShapeWatch, num_items: int, padded_len: int, now: float) -> bool:
         """Runs on the model thread, before a batch: whether to measure it. Always, unless
@@ -226,8 +260,22 @@ class MemoryWatch:
         return peak, self._read(probe) if probe is not None and read else None
 
     @staticmethod
-    async def measurement(later: asyncio.Future[Measurement | None]) -> Measurement:
-        """The measurement that follows a batch's outputs; none where it failed."""
+    async def measurement(
+        later: asyncio.Future[Measurement | None], gate: threading.Lock,
+        answered: Callable[[], bool] | None, waiting: Sized,
+    ) -> Measurement:  # fmt: skip
+        """The measurement that follows a batch's outputs; none where it failed. Its
+        ``gate`` opens once ``answered()`` says the requests the outputs settled have their
+        answers, work waits (``waiting``), or after a few turns of the loop: measuring beside
+        the event loop, the model thread holds the interpreter lock the answers need (a lone
+        all-MiniLM-L6-v2 request on a 2-CPU host was answered 110 us later)."""
+        try:
+            for _ in range(_ANSWER_TURNS):
+                if answered is None or answered() or len(waiting):
+                    break
+                await asyncio.sleep(0)
+        finally:
+            open_gate(gate)
         try:
             return await later or (None, None)
         except Exception:

@@ -45,7 +45,7 @@ class BatcherHarness:
     def __init__(self, *, model, clock, registry, model_thread, sizer=None, queue_items=1024,
                  max_wait_s=0.005, probe=None, oom_split=True, plan_by_time=False, lanes=None,
                  queue_items_per_model=None, min_reading_interval_s=0.0,
-                 max_reading_share=None):  # fmt: skip
+                 max_reading_share=None, answered=None):  # fmt: skip
         self.model = model
         self.clock = clock
         self.registry = registry
@@ -71,6 +71,7 @@ class BatcherHarness:
             fatal_errors=(DeviceError,),
             probe=probe,
             memory_metrics=MemoryMetrics(registry),
+            answered=answered,
         )
 
     def submit(self, texts, *, priority=0, timeout_s=60.0, request_id="r", model=MODEL):

@@ -304,12 +304,14 @@ async def wait_until(predicate):
             await asyncio.sleep(0.001)
 
 
+@pytest.mark.parametrize("due", [True, False], ids=["reading due", "no reading due"])
 async def test_a_lone_batchs_answers_go_back_before_the_memory_measurement_after_it(
-    harness_factory,
+    harness_factory, due
 ):
     with counting_threadsafe_calls(asyncio.get_running_loop()) as counts:
         probe = SlowReadingProbe(counts)
-        h = harness_factory(probe=probe)  # a reading is due after every batch
+        # Due after every batch; or not for an hour, the loop's reading before it the latest.
+        h = harness_factory(probe=probe, min_reading_interval_s=0 if due else 3600)
         pendings = h.submit(["a", "b b"])
         step = asyncio.create_task(h.batcher.step())
         try:
@@ -321,28 +323,85 @@ async def test_a_lone_batchs_answers_go_back_before_the_memory_measurement_after
         finally:
             probe.release.set()
         assert await asyncio.wait_for(step, TIMEOUT) == 2
-    assert probe.model_thread_calls == ["peak", "read"]
-    assert probe.handed_back_before == [1, 1]  # the answers went back first
+    expected = ["peak", "read"] if due else ["peak"]
+    assert probe.model_thread_calls == expected
+    assert probe.handed_back_before == [1] * len(expected)  # the answers went back first
+    assert counts["threadsafe"] == 2  # the answers, then the measurement
     assert h.batcher.num_loop_readings == 1  # the next batch is sized from the model thread's
 
 
-@pytest.mark.parametrize("case", ["work waits", "no reading due"])
+class PeakAfterProbe(ScriptedProbe):
+    """Notes, when the model thread reads a batch's peak, how often the batcher had asked
+    whether its requests were answered (``asked``)."""
+
+    def __init__(self, asked):
+        super().__init__(free_bytes=2**40)
+        self._asked = asked
+        self.asked_at_peak = []
+
+    def start_batch(self):
+        return 0
+
+    def batch_peak(self):
+        if threading.current_thread() is not threading.main_thread():
+            self.asked_at_peak.append(len(self._asked))
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("case", "asked"),
+    [("answered on the third turn", 3), ("never answered", 8), ("work queued meanwhile", 2)],
+)
+async def test_the_measurement_after_a_lone_batch_waits_for_its_requests_answers(
+    harness_factory, case, asked
+):
+    calls = []
+    harness = {}
+
+    def answered():
+        calls.append(None)
+        if case == "work queued meanwhile" and len(calls) == 2:
+            harness["h"].submit(["next"])
+        return case == "answered on the third turn" and len(calls) == 3
+
+    probe = PeakAfterProbe(calls)
+    h = harness["h"] = harness_factory(probe=probe, answered=answered)
+    pendings = h.submit(["a"])
+    assert await asyncio.wait_for(h.batcher.step(), TIMEOUT) == 1
+    assert pendings[0].future.result() == "out:a"
+    # Read on the model thread only once the loop let it: never beside the answers.
+    assert probe.asked_at_peak == [asked]
+    assert len(calls) == asked
+
+
+class UnmeasuredProbe(SlowReadingProbe):
+    """Measures no batch's peak (as where the batch's measurement would cost more than its
+    share): a batch has nothing to measure but a reading."""
+
+    def start_batch(self):
+        return None
+
+
+@pytest.mark.parametrize("case", ["work waits", "nothing to measure"])
 async def test_the_measurement_after_a_batch_goes_back_with_its_answers(harness_factory, case):
     with counting_threadsafe_calls(asyncio.get_running_loop()) as counts:
-        probe = SlowReadingProbe(counts)
         if case == "work waits":  # two batches: "b" waits while "a" runs
+            probe = SlowReadingProbe(counts)
             h = harness_factory(probe=probe, sizer=FixedSizer(max_items=1, max_tokens=100))
             pendings = h.submit(["a", "b"])
-        else:  # the loop's reading before the batch is the latest for an hour
+        else:  # unmeasured, and the loop's reading before the batch is the latest for an hour
+            probe = UnmeasuredProbe(counts)
             h = harness_factory(probe=probe, min_reading_interval_s=3600)
             pendings = h.submit(["a"])
         step = asyncio.create_task(h.batcher.step())
         try:
-            await wait_until(lambda: probe.model_thread_calls)
-            assert not pendings[0].future.done()
+            if case == "work waits":
+                await wait_until(lambda: probe.model_thread_calls)
+                assert not pendings[0].future.done()
         finally:
             probe.release.set()
         assert await asyncio.wait_for(step, TIMEOUT) == 1
     assert pendings[0].future.result() == "out:a"
-    assert probe.model_thread_calls == (["peak", "read"] if case == "work waits" else ["peak"])
+    assert probe.model_thread_calls == (["peak", "read"] if case == "work waits" else [])
     assert probe.handed_back_before == [0] * len(probe.model_thread_calls)  # nothing before
+    assert counts["threadsafe"] == 1  # one hand-back: the answers and the measurement

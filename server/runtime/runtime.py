@@ -263,6 +263,7 @@ class Runtime:
             fatal_errors=(DeviceError,),
             probe=self.probe,
             memory_metrics=self.memory_metrics,
+            answered=self.work.answered,
         )
         log.info("warming up: the largest batches the memory budget and the time bound allow")
         for slot in self._slots:

@@ -50,6 +50,10 @@ class WorkTracker:
         """Read task counts from the running loop."""
         self._loop = asyncio.get_running_loop()
 
+    def answered(self) -> bool:
+        """Whether every admitted request has left ``Runtime.infer`` (none in progress)."""
+        return self.active_requests == 0
+
     def request(self) -> _Request:
         """Count one request from admission to its answer: ``with work.request(): ...``."""
         return self._request
