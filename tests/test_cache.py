@@ -132,6 +132,38 @@ async def test_an_equal_input_arriving_as_its_computation_finishes_joins_it(regi
     assert np.array_equal(await again.futures[0], np.zeros(4))
 
 
+@pytest.mark.parametrize(
+    ("max_bytes", "deduplicate", "dimensions", "direct"),
+    [(0, False, None, True), (1 << 20, False, None, False), (0, True, None, False),
+     (0, False, 2, False)],
+    ids=["off", "stored", "deduplicated", "reshaped"],
+)  # fmt: skip
+async def test_an_input_neither_stored_shared_nor_reshaped_is_awaited_without_a_flight(
+    registry, max_bytes, deduplicate, dimensions, direct
+):
+    """The request awaits the computation's own future: nothing between the batcher's result
+    and the request (one turn of the loop fewer); its end still cancels what did not run."""
+    loop = asyncio.get_running_loop()
+    cache = InputCache(registry, max_bytes=max_bytes, deduplicate=deduplicate,
+                       queue=RequestQueue(8))  # fmt: skip
+    cache.add_model("m")
+    finish = None if dimensions is None else (lambda output: output[:dimensions])
+    admission = cache.admit(
+        loop, "m", [_item((101, 7, 102)), _item((101, 8, 102))], dimensions=dimensions,
+        priority=0, deadline_s=1e9,
+        make_pending=lambda item, index: Pending(item, loop.create_future(), 0.0, 1e9),
+        finish=finish,
+    )  # fmt: skip
+    first, second = admission.queued
+    assert (admission.futures == [first.future, second.future]) is direct
+    assert admission.pendings == [first, second]
+    first.future.set_result(np.ones(4, dtype=np.float32))
+    assert len(await admission.futures[0]) == (4 if dimensions is None else dimensions)
+    assert cache.release(admission) == [second]  # no requester left: it never runs
+    assert second.future.cancelled() and not first.future.cancelled()
+    assert cache.release(admission) == []
+
+
 # --- in a replica over a scripted model ---
 
 

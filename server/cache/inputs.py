@@ -36,13 +36,16 @@ class Admission:
     queued: list[Pending] = field(default_factory=list)
     """The new computations: the caller puts these into the queue."""
     joined: list[tuple[Flight, asyncio.Future[Any]]] = field(default_factory=list)
-    """Every computation the request waits on, with its own future there."""
+    """Every computation the request waits on through a flight, with its own future there."""
+    own: list[Pending] = field(default_factory=list)
+    """The computations the request awaits directly, their futures its own: neither stored
+    nor shared nor reshaped, they need no flight between (one turn of the loop fewer)."""
     hits: int = 0
 
     @property
     def pendings(self) -> list[Pending]:
         """The distinct computations the request waits on (for its trace)."""
-        seen: dict[int, Pending] = {}
+        seen: dict[int, Pending] = {id(pending): pending for pending in self.own}
         for flight, _ in self.joined:
             seen.setdefault(id(flight.pending), flight.pending)
         return list(seen.values())
@@ -90,17 +93,25 @@ class InputCache:
     def admit(
         self, loop: asyncio.AbstractEventLoop, model: str, items: Sequence[Item], *,
         dimensions: int | None, priority: int, deadline_s: float,
-        make_pending: MakePending, finish: Callable[[Any], Any],
+        make_pending: MakePending, finish: Callable[[Any], Any] | None,
     ) -> Admission:  # fmt: skip
-        """Sort ``items`` into hits, joins and new computations (see the module)."""
+        """Sort ``items`` into hits, joins and new computations (see the module). ``finish``
+        shapes a computed output before it is answered and stored (None: as it is)."""
         store, flights = self.store, self._flights
         table = flights if self.deduplicate else None
         admission = Admission([])
         misses = deduplicated = 0
+        enabled = self.enabled
         for index, item in enumerate(items):
+            key = cache_key(model, item, dimensions) if enabled else None
+            if key is None and finish is None:
+                pending = make_pending(item, index)
+                admission.futures.append(pending.future)
+                admission.queued.append(pending)
+                admission.own.append(pending)
+                continue
             waiter: asyncio.Future[Any] = loop.create_future()
             admission.futures.append(waiter)
-            key = cache_key(model, item, dimensions) if self.enabled else None
             if key is not None and store is not None:
                 found, value = store.get(key)
                 if found:
@@ -116,7 +127,7 @@ class InputCache:
             else:
                 pending = make_pending(item, index)
                 flight = Flight(
-                    key, pending, finish=finish, on_value=self._put,
+                    key, pending, finish=finish or _as_is, on_value=self._put,
                     table=table if key is not None else None,
                 )  # fmt: skip
                 flight.waiters.append(waiter)
@@ -133,10 +144,15 @@ class InputCache:
         computations left with no waiter, now cancelled, for the caller to take out of the
         queue. Safe to call more than once."""
         joined, admission.joined = admission.joined, []
-        cancelled = []
+        own, admission.own = admission.own, []
+        cancelled = [pending for pending in own if pending.future.cancel()]
         for flight, waiter in joined:
             if not waiter.done():
                 waiter.cancel()
             if flight.leave(waiter):
                 cancelled.append(flight.pending)
         return cancelled
+
+
+def _as_is(output: Any) -> Any:
+    return output

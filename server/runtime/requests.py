@@ -112,17 +112,13 @@ class RequestPath:
         return [future.result() for future in futures], trace.tokens
 
 
-def _finisher(dimensions: int | None, normalize: bool) -> Callable[[Any], Any]:
+def _finisher(dimensions: int | None, normalize: bool) -> Callable[[Any], Any] | None:
     """What a computed output becomes before it is answered (and stored: the store keeps its
-    own read-only copy): cut to ``dimensions`` where given, else as it is."""
+    own read-only copy): cut to ``dimensions`` where given, else as it is (None)."""
     if dimensions is None:
-        return _as_is
+        return None
 
     def cut(output: Any) -> Any:
         return truncate_dimensions(output, dimensions, normalize)
 
     return cut
-
-
-def _as_is(output: Any) -> Any:
-    return output
