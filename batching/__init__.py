@@ -5,7 +5,7 @@ Never imports a concrete model: the batcher drives anything with a ``forward`` c
 
 from .affinity import at_home
 from .allocator import release_host_memory, tune_host_allocator
-from .batcher import Batcher, BatcherConfig, Lane
+from .batcher import Batcher, BatcherConfig
 from .clock import Clock, MonotonicClock
 from .composite import CompositeProbe, probes_for_device
 from .errors import (
@@ -17,6 +17,7 @@ from .errors import (
     QueueFull,
     ShuttingDown,
 )
+from .lanes import Lane
 from .measure import measured_forward
 from .metrics import (
     BatchingMetrics,

@@ -10,27 +10,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 from .clock import Clock
 from .errors import DeadlineExceeded, InferenceFailed, OutOfMemory, ShuttingDown
-from .measure import Forward
-from .metrics import BatchingMetrics, MemoryMetrics, ModelBatchingMetrics, ModelMemoryMetrics
+from .lanes import Lane, LaneState, Planned
+from .metrics import BatchingMetrics, MemoryMetrics
 from .model_thread import ModelThread
 from .planner import BatchBudget, BatchPlan, plan_batch, refused_alone, split
 from .probes import MemoryProbe, MemoryReading
 from .queue import Pending, RequestQueue
 from .readings import Measurement, MemoryWatch, closed_gate, open_gate
 from .side import SideBySide
-from .sizer import BatchOutcome, Sizer
-from .timing import BatchTimeModel
-
-if TYPE_CHECKING:
-    from prometheus_client import Gauge
+from .sizer import BatchOutcome
 
 log = logging.getLogger(__name__)
 
@@ -57,60 +52,6 @@ class BatcherConfig:
     time (each reading's own duration, averaged, over this share), but never further apart
     than half of ``max_reading_age_s``: under steady load the loop never has to read. None:
     ``min_reading_interval_s`` alone."""
-
-
-@dataclass(frozen=True, slots=True)
-class Lane:
-    """One model as the batcher sees it: queue entries tagged ``name`` run through
-    ``forward``, in batches that ``sizer`` budgets."""
-
-    name: str
-    forward: Forward
-    sizer: Sizer
-    side_forward: Forward | None = None
-    """The same pass on its share of the CPUs, for passes side by side (``side_by_side``);
-    None: this model's passes run one at a time."""
-
-
-class _LaneState:
-    """A lane with what the batcher keeps for it: its time model, its metric series and
-    the budget of its last batch."""
-
-    def __init__(
-        self,
-        lane: Lane,
-        *,
-        metrics: ModelBatchingMetrics,
-        memory_metrics: ModelMemoryMetrics | None,
-        plan_by_time: bool,
-    ) -> None:
-        self.name = lane.name
-        self.forward = lane.forward
-        self.side_forward = lane.side_forward
-        self.sizer = lane.sizer
-        self.metrics = metrics
-        self.memory_metrics = memory_metrics
-        self.time_model = BatchTimeModel() if plan_by_time else None
-        self.side_time_model = BatchTimeModel() if plan_by_time else None
-        """Passes side by side (``side.py``): each on its share of the cores, beside others."""
-        self.budget: BatchBudget | None = None
-        self._shown: dict[Gauge, float] = {}
-
-    def show(self, gauge: Gauge, value: float) -> None:
-        """Set one of this lane's gauges, unless it shows ``value`` already: most batches
-        leave the budget as the last one left it, and each update costs the loop a lock."""
-        if self._shown.get(gauge) != value:
-            self._shown[gauge] = value
-            gauge.set(value)
-
-
-class Planned(NamedTuple):
-    """A batch taken out of the queue for its lane's next pass, and the plan that chose it
-    (recorded once the pass has started: the model need not wait for the metrics)."""
-
-    lane: _LaneState
-    batch: list[Pending]
-    plan: BatchPlan
 
 
 class Batcher:
@@ -143,7 +84,7 @@ class Batcher:
         self.metrics = metrics
         self.config = config
         self.lanes = {
-            lane.name: _LaneState(
+            lane.name: LaneState(
                 lane,
                 metrics=metrics.for_model(lane.name),
                 memory_metrics=memory_metrics.for_model(lane.name) if memory_metrics else None,
@@ -230,12 +171,8 @@ class Batcher:
         if lane is None:
             return None
         reading = self.memory.latest()
-        budget = lane.budget = lane.sizer.budget(reading)
-        lane.show(lane.metrics.budget_items, budget.max_items)
-        lane.show(lane.metrics.budget_tokens, budget.max_tokens)
-        if lane.memory_metrics is not None and budget.max_bytes is not None:
-            lane.show(lane.memory_metrics.budget_bytes, budget.max_bytes)
-        self._record_ceiling(lane)
+        budget = lane.sizer.budget(reading)
+        lane.record_budget(budget)
         await self._fill(lane, budget.max_items, budget.max_tokens)
 
         now = self.clock.now()
@@ -275,7 +212,7 @@ class Batcher:
         return Planned(lane, batch, plan)
 
     def _refuse(
-        self, lane: _LaneState, pending: Pending, predicted: float, budget: BatchBudget,
+        self, lane: LaneState, pending: Pending, predicted: float, budget: BatchBudget,
         reading: MemoryReading | None,
     ) -> None:  # fmt: skip
         """Fail one input that cannot fit alone under a limit that kills; the rest of the
@@ -297,7 +234,7 @@ class Batcher:
         )
         _fail(pending, OutOfMemory(message, int(predicted)))
 
-    def _next_lane(self) -> _LaneState | None:
+    def _next_lane(self) -> LaneState | None:
         """The lane of the oldest waiting item by effective priority, then arrival: no model
         starves another, since every model's oldest item is served in turn."""
         head = self.queue.waiting(1, now=self.clock.now())
@@ -334,12 +271,7 @@ class Batcher:
     def record_ceilings(self) -> None:
         """Show every model's ceiling now (after warm-up, before any batch has run)."""
         for lane in self.lanes.values():
-            self._record_ceiling(lane)
-
-    def _record_ceiling(self, lane: _LaneState) -> None:
-        ceiling = getattr(lane.sizer, "ceiling_bytes", None)
-        if lane.memory_metrics is not None and ceiling is not None and math.isfinite(ceiling):
-            lane.show(lane.memory_metrics.ceiling_bytes, ceiling)
+            lane.record_ceiling()
 
     def fail_waiting(self, error: Exception) -> None:
         waiting = self.queue.waiting()
@@ -347,7 +279,7 @@ class Batcher:
         for pending in waiting:
             _fail(pending, error)
 
-    async def _fill(self, lane: _LaneState, max_items: int, max_tokens: int) -> None:
+    async def _fill(self, lane: LaneState, max_items: int, max_tokens: int) -> None:
         """Wait up to ``max_wait_s`` from the lane's oldest item's arrival for a full batch."""
         oldest = self.queue.waiting(1, model=lane.name)
         if not oldest:
@@ -371,19 +303,8 @@ class Batcher:
             _fail(pending, DeadlineExceeded(now - pending.arrival_s))
         return [p for p in waiting if p.deadline_s > now]
 
-    def _record_dispatch(
-        self, lane: _LaneState, batch: Sequence[Pending], plan: BatchPlan, now: float
-    ) -> None:
-        metrics = lane.metrics
-        for pending in batch:
-            metrics.queue_wait.observe(now - pending.arrival_s)
-        metrics.real_tokens.inc(plan.real_tokens)
-        metrics.padded_tokens.inc(plan.padded_tokens)
-        if plan.real_tokens:
-            metrics.padding_ratio.observe(plan.padded_tokens / plan.real_tokens)
-
     async def run_batch(
-        self, lane: _LaneState, batch: Sequence[Pending], thread: ModelThread, *,
+        self, lane: LaneState, batch: Sequence[Pending], thread: ModelThread, *,
         side: bool = False, plan: BatchPlan | None = None,
     ) -> None:  # fmt: skip
         """Run ``batch`` on ``thread``; on OOM split it in two and run each half, down to one
@@ -402,7 +323,7 @@ class Batcher:
             open_gate(gate)  # on every path: nothing else opens it
 
     async def _run_batch(
-        self, lane: _LaneState, live: list[Pending], thread: ModelThread, side: bool,
+        self, lane: LaneState, live: list[Pending], thread: ModelThread, side: bool,
         plan: BatchPlan | None, gate: threading.Lock,
     ) -> None:  # fmt: skip
         padded_len = max(p.cost for p in live)
@@ -427,14 +348,14 @@ class Batcher:
             self.memory.forget()  # the next plan reads what the failed batch left
             lane.sizer.on_oom(len(live), padded_len)
             if len(live) == 1 or not self.config.oom_split:
-                self._count_oom(lane, "failed")
+                lane.count_oom("failed")
                 log.warning("batch of %d x %d tokens does not fit in memory", len(live), padded_len)
                 for pending in live:
                     message = _oom_message(pending, exc, len(live), predicted)
                     error = OutOfMemory(message, _needed_bytes(exc))
                     _fail(pending, error)
                 return
-            self._count_oom(lane, "split")
+            lane.count_oom("split")
             first, second = split(live)
             log.info(
                 "batch of %d x %d tokens ran out of memory (%s); splitting",
@@ -495,15 +416,15 @@ class Batcher:
         lane.sizer.observe(BatchOutcome(len(live), padded_len, elapsed, peak))
         if lane.time_model is not None:
             lane.time_model.observe(len(live), padded_len, elapsed)
-        self._record_peak(lane, predicted, peak)
+        lane.record_peak(predicted, peak)
 
     def _record_start(
-        self, lane: _LaneState, live: Sequence[Pending], padded_len: int, started: float,
+        self, lane: LaneState, live: Sequence[Pending], padded_len: int, started: float,
         plan: BatchPlan | None,
     ) -> float | None:  # fmt: skip
         """A pass has started: its metrics and its items' tags; its predicted peak."""
         if plan is not None:
-            self._record_dispatch(lane, live, plan, started)
+            lane.record_dispatch(live, plan, started)
         lane.metrics.batch_size.observe(len(live))
         lane.metrics.batch_tokens.observe(len(live) * padded_len)
         self.num_batches += 1
@@ -511,33 +432,7 @@ class Batcher:
             if pending.started_s is None:
                 pending.started_s = started
             pending.batch = (self.num_batches, len(live))
-        return self._record_prediction(lane, len(live), padded_len)
-
-    def _record_prediction(self, lane: _LaneState, num_items: int, padded_len: int) -> float | None:
-        budget = lane.budget
-        if budget is None or budget.predict_bytes is None:
-            return None
-        predicted = budget.predict_bytes(num_items, padded_len)
-        metrics = lane.memory_metrics
-        if metrics is not None:
-            lane.show(metrics.predicted_peak, predicted)
-            free = getattr(lane.sizer, "last_free_bytes", None)
-            if free is not None:
-                lane.show(metrics.headroom_bytes, free - predicted)
-        return predicted
-
-    def _record_peak(self, lane: _LaneState, predicted: float | None, peak: int | None) -> None:
-        metrics = lane.memory_metrics
-        if metrics is None or peak is None:
-            return
-        metrics.measured_peak.set(peak)
-        if predicted:
-            metrics.peak_ratio.observe(peak / predicted)
-
-    def _count_oom(self, lane: _LaneState, outcome: str) -> None:
-        metrics = lane.memory_metrics
-        if metrics is not None:
-            (metrics.oom_split if outcome == "split" else metrics.oom_failed).inc()
+        return lane.record_prediction(len(live), padded_len)
 
     def _count_dropped(self, dropped: Sequence[Pending]) -> None:
         """Items whose request went away (disconnect, deadline) while they were queued."""

@@ -26,7 +26,8 @@ from .model_thread import ModelThread
 from .planner import BatchBudget
 
 if TYPE_CHECKING:
-    from .batcher import Batcher, _LaneState
+    from .batcher import Batcher
+    from .lanes import LaneState
 
 SIDE_MEMORY_SHARE = 0.5
 """Passes side by side only where that many of the largest batch the caps allow fit within
@@ -75,7 +76,7 @@ class SideBySide:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _can_go_beside(self, lane: _LaneState | None) -> bool:
+    def _can_go_beside(self, lane: LaneState | None) -> bool:
         """Whether ``lane``'s next batch may run beside others: it has a side forward, its
         budget tells the memory passes share (none planned yet: ``next_batch`` tells), and
         the passes are heavy."""
