@@ -13,6 +13,7 @@ replica adds on top (HTTP, validation, the answer's JSON) is ``bench.layers``'s 
 straight on the runtime's own model thread (tokenized inline, one hand-off there and back,
 the model's forward pass): what the runtime adds around a real forward pass, the two taking
 turns, with ``--gap-ms`` of quiet before each call as between one client's requests.
+``--stages`` also times each stage of both paths (``bench.lone_stages``).
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ import asyncio
 import os
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import uvloop
 
 from .comparisons import NOOP_MODEL
 from .inprocess import started_runtime
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +84,30 @@ class AgainstDirect:
         )
 
 
+async def in_turn(
+    ours: Callable[[str], Awaitable[T]], theirs: Callable[[str], Awaitable[T]], calls: int, *,
+    gap_s: float, warm_up: int,
+) -> tuple[list[T], list[T]]:  # fmt: skip
+    """``ours`` and ``theirs`` called in turn on the same mixed-length inputs, ``gap_s`` of
+    quiet before each call as between one client's requests, after ``warm_up`` untimed turns;
+    what each returned for the timed calls."""
+    from .workload import WorkloadSpec, make_requests
+
+    texts = [r[0] for r in make_requests(WorkloadSpec(), warm_up + calls, single_input=True)]
+    for text in texts[:warm_up]:
+        await ours(text)
+        await theirs(text)
+    timed: tuple[list[T], list[T]] = ([], [])
+    for i, text in enumerate(texts[warm_up:]):
+        # Which goes first alternates, so that neither always follows the other's pass.
+        for run, results in ((ours, timed[0]), (theirs, timed[1]))[:: 1 if i % 2 else -1]:
+            await asyncio.sleep(gap_s)
+            results.append(await run(text))
+    return timed
+
+
 async def against_direct(calls: int, *, gap_s: float = 0.003, warm_up: int = 30) -> AgainstDirect:
     from models.spec import BUNDLED_MODEL
-
-    from .workload import WorkloadSpec, make_requests
 
     async with started_runtime(BUNDLED_MODEL, cache_bytes=0) as runtime:
         model = runtime.slots[next(iter(runtime.slots))].model
@@ -99,17 +124,7 @@ async def against_direct(calls: int, *, gap_s: float = 0.003, warm_up: int = 30)
             await runtime.model_thread.call(model.forward, items)
             return time.perf_counter() - started
 
-        texts = [r[0] for r in make_requests(WorkloadSpec(), warm_up + calls, single_input=True)]
-        for text in texts[:warm_up]:
-            await through_runtime(text)
-            await direct(text)
-        ours: list[float] = []
-        theirs: list[float] = []
-        for i, text in enumerate(texts[warm_up:]):
-            # Which goes first alternates, so that neither always follows the other's pass.
-            for run, times in ((through_runtime, ours), (direct, theirs))[:: 1 if i % 2 else -1]:
-                await asyncio.sleep(gap_s)
-                times.append(await run(text))
+        ours, theirs = await in_turn(through_runtime, direct, calls, gap_s=gap_s, warm_up=warm_up)
     return AgainstDirect(ours, theirs)
 
 
@@ -119,10 +134,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-s", type=float, default=0.0)
     parser.add_argument("--bundled", action="store_true",
                         help="the bundled model, against its model thread directly")  # fmt: skip
+    parser.add_argument("--stages", action="store_true",
+                        help="with --bundled: the median of each stage of both paths")  # fmt: skip
     parser.add_argument("--gap-ms", type=float, default=3.0)
     args = parser.parse_args(argv)
+    if args.stages and not args.bundled:
+        parser.error("--stages goes with --bundled")
     if args.bundled:
         calls = args.calls or 300
+        if args.stages:
+            from .lone_stages import stages
+
+            print(uvloop.run(stages(calls, gap_s=args.gap_ms / 1000)).describe())
+            return 0
         print(uvloop.run(against_direct(calls, gap_s=args.gap_ms / 1000)).describe())
         return 0
     result = uvloop.run(lone_calls(args.calls or 20000, wait_s=args.wait_s))
