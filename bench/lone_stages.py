@@ -64,7 +64,8 @@ class _Marks:
 @contextlib.contextmanager
 def _hooked(runtime: Runtime, marks: _Marks) -> Iterator[Callable[..., Any]]:
     """Wrap the runtime's objects so that a call marks each boundary; yields the timed
-    forward pass (the model's own, for the direct path). Everything is restored on exit."""
+    forward pass (the lane's: the model's, behind the thread guard where there is one), which
+    the direct path calls too. Everything is restored on exit."""
     import batching.model_thread as model_thread_module
     from server.runtime.waiting import RequestWait
 
