@@ -26,6 +26,7 @@ done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/batchfit-gpu-check.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT  # every way out, the early ones included
 exec > >(tee "$OUT/check.log") 2>&1
 PYTHON=${PYTHON:-python3}
 started=$(date +%s)
@@ -83,7 +84,6 @@ dry=()
     "${dry[@]}" --status "${STATUS[@]}"
 rc=$?
 [ -d "$WORK/logs" ] && tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs
-rm -rf "$WORK"
 echo "gpu check: $([ $rc = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - started))s;" \
     "figures in $OUT/results.json and $OUT/summary.md"
 exit $rc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -184,6 +185,7 @@ def open_page(tmp_path: Path, *, width: int = 1280, height: int = 1100) -> Itera
              f"--remote-debugging-port={port}", "--remote-debugging-address=127.0.0.1",
              f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "TMPDIR": str(tmp_path)},  # its own scratch folders go there
         )  # fmt: skip
     try:
         deadline = time.monotonic() + 30

@@ -59,7 +59,12 @@ def test_without_wheels_the_real_check_stops_at_once(tmp_path):
     script = bare / "scripts" / "gpu_check.sh"
     script.write_text((ROOT / "scripts" / "gpu_check.sh").read_text())
     script.chmod(0o755)
-    done = subprocess.run([str(script), "--out", str(tmp_path / "out")], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = subprocess.run(
+        [str(script), "--out", str(tmp_path / "out")], capture_output=True, text=True,
+        timeout=60, env={**os.environ, "TMPDIR": str(scratch)},
+    )  # fmt: skip
     assert done.returncode == 2
     assert "make gpu-wheels" in (tmp_path / "out" / "check.log").read_text()
+    assert not list(scratch.iterdir()), "the check left its work folder behind"
