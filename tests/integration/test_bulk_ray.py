@@ -6,8 +6,10 @@ hangs, ended and started again by Ray, and a batch that hangs every pass ending 
 from __future__ import annotations
 
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import orjson
@@ -36,9 +38,12 @@ WORDS = ["ray", "actor", "device", "batch", "memory", "parquet", "token", "model
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # A session folder of its own, removed after (a short path: Ray's sockets live in it).
+    scratch = tempfile.mkdtemp(prefix="ray-test-")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=scratch)
     yield
     ray.shutdown()
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def make_dataset(path) -> dict[int, str]:
