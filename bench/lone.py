@@ -20,17 +20,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import uvloop
 
 from .comparisons import NOOP_MODEL
 from .inprocess import started_runtime
+
+if TYPE_CHECKING:
+    from models import Model
+    from server.runtime import Runtime
 
 T = TypeVar("T")
 
@@ -106,12 +111,19 @@ async def in_turn(
     return timed
 
 
-async def against_direct(calls: int, *, gap_s: float = 0.003, warm_up: int = 30) -> AgainstDirect:
+@contextlib.asynccontextmanager
+async def bundled_runtime() -> AsyncIterator[tuple[Runtime, Model]]:
+    """A runtime serving the bundled model (the output cache off), and that model."""
     from models.spec import BUNDLED_MODEL
 
     async with started_runtime(BUNDLED_MODEL, cache_bytes=0) as runtime:
         model = runtime.slots[next(iter(runtime.slots))].model
         assert model is not None  # loaded
+        yield runtime, model
+
+
+async def against_direct(calls: int, *, gap_s: float = 0.003, warm_up: int = 30) -> AgainstDirect:
+    async with bundled_runtime() as (runtime, model):
 
         async def through_runtime(text: str) -> float:
             started = time.perf_counter()

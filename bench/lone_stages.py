@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .inprocess import started_runtime
-from .lone import in_turn
+from .lone import bundled_runtime, in_turn
 
 if TYPE_CHECKING:
     from server.runtime import Runtime
@@ -167,12 +166,8 @@ class Stages:
 
 
 async def stages(calls: int, *, gap_s: float = 0.003, warm_up: int = 30) -> Stages:
-    from models.spec import BUNDLED_MODEL
-
     marks = _Marks()
-    async with started_runtime(BUNDLED_MODEL, cache_bytes=0) as runtime:
-        model = runtime.slots[next(iter(runtime.slots))].model
-        assert model is not None  # loaded
+    async with bundled_runtime() as (runtime, model):
         with _hooked(runtime, marks) as forward:
 
             async def through_runtime(text: str) -> dict[str, int]:
