@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 import subprocess
+import sys
+import sysconfig
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -365,3 +369,62 @@ def test_dockerfile():
     assert "torch==2.13.0" in text
     # Settings come from the environment.
     assert "BATCHFIT_HOST=0.0.0.0" in text
+
+
+def test_the_image_installs_every_package_and_its_command_imports(tmp_path):
+    """``pip install .`` in the image sees only what the Dockerfile copies: a package left out
+    is missing from the installed ``batchfit``, whose command line imports them all. Build the
+    wheel from exactly those files and import each of its modules with nothing else of the
+    checkout on the path (the test environment's editable install included)."""
+    text = DOCKERFILE.read_text()
+    install = text.index("RUN pip install .")
+    context = tmp_path / "context"
+    copied = set()
+    for sources in re.findall(r"^COPY (.+) \S+$", text[:install], re.MULTILINE):
+        for source in sources.split():
+            destination = context / source
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            if (ROOT / source).is_dir():
+                copied.add(source)
+                shutil.copytree(ROOT / source, destination, ignore=IGNORED)
+            else:
+                shutil.copy(ROOT / source, destination)
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {pattern.rstrip("*") for pattern in setuptools["packages"]["find"]["include"]}
+    assert packages <= copied, f"the image leaves out {sorted(packages - copied)}"
+
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(wheels), str(context)],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    (wheel,) = wheels.glob("*.whl")
+    installed = tmp_path / "installed"
+    zipfile.ZipFile(wheel).extractall(installed)
+    assert {p.name for p in installed.iterdir() if (p / "__init__.py").exists()} == packages
+
+    # -I -S: neither the checkout nor site-packages' .pth files (the editable install's
+    # finder) are on the path; the dependencies' own folder is added by hand.
+    script = f"""
+import importlib, pkgutil, sys
+sys.path[:0] = [{str(installed)!r}]
+sys.path.extend({[sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]!r})
+for name in {sorted(packages)!r}:
+    package = importlib.import_module(name)
+    assert package.__file__.startswith({str(installed)!r}), package.__file__
+    for module in pkgutil.walk_packages(package.__path__, name + "."):
+        importlib.import_module(module.name)
+sys.argv = ["batchfit", "--help"]
+from server.__main__ import main
+main()
+"""
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", script],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "serve" in result.stdout and "embed" in result.stdout
+
+
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
