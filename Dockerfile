@@ -16,14 +16,14 @@ WORKDIR /app
 
 # torch first and on its own layer: it is by far the largest and changes least.
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 # Every package pyproject.toml installs: the `batchfit` command imports them all.
 COPY server ./server
 COPY batching ./batching
 COPY models ./models
 COPY bulk ./bulk
 COPY bench ./bench
-RUN pip install . && python -c "from models.loading import BUNDLED_MODEL, resolve_model_path; resolve_model_path(BUNDLED_MODEL)"
+RUN pip install --constraint constraints.txt . && python -c "from models.loading import BUNDLED_MODEL, resolve_model_path; resolve_model_path(BUNDLED_MODEL)"
 
 USER batchfit
 ENV BATCHFIT_HOST=0.0.0.0 \

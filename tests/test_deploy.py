@@ -377,7 +377,7 @@ def test_the_image_installs_every_package_and_its_command_imports(tmp_path):
     wheel from exactly those files and import each of its modules with nothing else of the
     checkout on the path (the test environment's editable install included)."""
     text = DOCKERFILE.read_text()
-    install = text.index("RUN pip install .")
+    install = re.search(r"^RUN pip install .* \. ", text, re.MULTILINE).start()
     context = tmp_path / "context"
     copied = set()
     for sources in re.findall(r"^COPY (.+) \S+$", text[:install], re.MULTILINE):
