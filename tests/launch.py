@@ -244,6 +244,41 @@ class SilentUpstream:
         self._thread.join(5)
 
 
+class UnreachableUpstream:
+    """An address where a connection is never made: a listener that never accepts, its accept
+    queue full, so the kernel drops every new SYN and a connect() times out (what Nginx meets
+    at a container or pod address that has gone, or a replica whose accept queue is full)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(0)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self._fillers: list[socket.socket] = []
+        # The first connection fills the queue of a listen(0) socket; later SYNs are dropped.
+        for _ in range(2):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(self.sock.getsockname())
+            self._fillers.append(filler)
+        probe = socket.socket()
+        probe.settimeout(0.5)
+        try:
+            probe.connect(self.sock.getsockname())
+        except TimeoutError:
+            pass
+        else:
+            raise RuntimeError("the full accept queue took a connection: SYNs are not dropped")
+        finally:
+            probe.close()
+
+    def close(self) -> None:
+        for filler in self._fillers:
+            filler.close()
+        self.sock.close()
+
+
 class CutOffUpstream:
     """An HTTP/1.1 upstream that dies mid-answer: it reads a request, writes ``sent`` (nothing,
     or a response head that promises a body) and closes, as a replica SIGKILLed there would."""

@@ -28,6 +28,7 @@ from server.supervise.nginx import (
     NginxConfig,
     check_config,
     compose_config,
+    read_timeout_for,
     render,
 )
 from server.supervise.nginx import main as nginx_main
@@ -141,12 +142,18 @@ def test_balancing_keepalive_and_headers(nginx_conf):
 def test_failover_policy(nginx_conf):
     (next_upstream,) = directive(nginx_conf, "proxy_next_upstream")
     conditions = next_upstream.split()
-    assert {"error", "http_503", "non_idempotent"} <= set(conditions)
-    # Never on overload (429) and never on a timeout (a slow batch must not run twice).
-    assert not {"timeout", "http_429", "http_504"} & set(conditions)
+    # A connect timeout (`timeout`) is retried too: no replica has seen the request.
+    assert {"error", "timeout", "http_503", "non_idempotent"} <= set(conditions)
+    # Never on overload (429), nor on a replica's own deadline (504).
+    assert not {"http_429", "http_504"} & set(conditions)
     assert directive(nginx_conf, "proxy_next_upstream_tries") == ["2"]
     (retry_time,) = directive(nginx_conf, "proxy_next_upstream_timeout")
     assert 0 < seconds(retry_time) <= 60
+    # `timeout` names the read timeout too, which must never be retried (a slow batch must
+    # not run twice): the retry window is over before it fires, and after the connect timeout.
+    (connect_timeout,) = directive(nginx_conf, "proxy_connect_timeout")
+    (read_timeout,) = directive(nginx_conf, "proxy_read_timeout")
+    assert seconds(connect_timeout) < seconds(retry_time) < seconds(read_timeout)
     # A hung replica's requests are retried once batchfit up has found and killed it.
     up = LauncherSettings()
     found_s = up.liveness_failures * (up.liveness_period_s + up.liveness_timeout_s)
@@ -157,8 +164,23 @@ def test_failover_policy(nginx_conf):
     for server in directive(nginx_conf, "server"):
         assert "max_fails=" in server and "fail_timeout=" in server
     # Nginx waits longer than any replica's own deadline.
-    (read_timeout,) = directive(nginx_conf, "proxy_read_timeout")
     assert seconds(read_timeout) > Settings.model_fields["max_timeout_s"].default
+
+
+@pytest.mark.parametrize("max_timeout_s", [0.5, 1, 20, 58, 300, 3600])
+def test_the_retry_window_ends_before_any_read_timeout(max_timeout_s):
+    read_timeout_s = read_timeout_for(max_timeout_s)
+    config = NginxConfig(
+        upstreams=["127.0.0.1:1"], listen="127.0.0.1:2", max_body_bytes=1, rate_limit_rps=1,
+        rate_limit_burst=1, read_timeout_s=read_timeout_s,
+    )  # fmt: skip
+    conf = render(config)
+    (retry_time,) = directive(conf, "proxy_next_upstream_timeout")
+    (connect_timeout,) = directive(conf, "proxy_connect_timeout")
+    assert seconds(connect_timeout) < seconds(retry_time) < read_timeout_s
+    assert seconds(retry_time) == min(60, read_timeout_s - 1)
+    with pytest.raises(ValueError, match="read_timeout_s must be at least 2"):
+        dataclasses.replace(config, read_timeout_s=1)
 
 
 def test_limits_errors_and_routes(nginx_conf):

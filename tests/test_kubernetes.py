@@ -23,7 +23,7 @@ import yaml
 from bench.servers import free_port
 from server import Settings, create_app
 from server.public_api import PUBLIC_API_PREFIXES, is_public_api, public_api_routes
-from server.supervise.nginx import TEMPLATE_PATH, read_timeout_for
+from server.supervise.nginx import TEMPLATE_PATH, read_timeout_for, retry_window_for
 from tests.ci import unavailable
 from tests.servers import run_server
 
@@ -287,9 +287,11 @@ def test_ingress_has_the_nginx_policy():
     assert annotations[prefix + "proxy-next-upstream-tries"] == directive(
         "proxy_next_upstream_tries"
     )
-    assert annotations[prefix + "proxy-next-upstream-timeout"] + "s" == directive(
-        "proxy_next_upstream_timeout"
+    read_timeout_s = int(annotations[prefix + "proxy-read-timeout"])
+    assert int(annotations[prefix + "proxy-next-upstream-timeout"]) == retry_window_for(
+        read_timeout_s
     )
+    assert directive("proxy_next_upstream_timeout") == "{{retry_window_s}}s"
 
 
 def prefix_matches(prefix: str, path: str) -> bool:

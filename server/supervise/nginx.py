@@ -32,6 +32,7 @@ COMPOSE_UPSTREAMS = ("replica-0:8000", "replica-1:8000")
 # a closing socket.
 UVICORN_KEEP_ALIVE_S = 75
 UPSTREAM_KEEP_ALIVE_S = UVICORN_KEEP_ALIVE_S - 15
+RETRY_WINDOW_S = 60
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 TEMP_PATHS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
 
@@ -60,6 +61,11 @@ class NginxConfig:
     def __post_init__(self) -> None:
         if not self.upstreams:
             raise ValueError("an Nginx config needs at least one upstream replica")
+        if self.read_timeout_s < 2:
+            raise ValueError(
+                f"read_timeout_s must be at least 2 (got {self.read_timeout_s}): the retry "
+                "window ends a second before it"
+            )
 
 
 def render(config: NginxConfig, template: str | None = None) -> str:
@@ -74,6 +80,7 @@ def render(config: NginxConfig, template: str | None = None) -> str:
         "listen": config.listen,
         "max_body_bytes": str(config.max_body_bytes),
         "read_timeout_s": str(config.read_timeout_s),
+        "retry_window_s": str(retry_window_for(config.read_timeout_s)),
         "rate_limit_rps": str(config.rate_limit_rps),
         "rate_limit_burst": str(config.rate_limit_burst),
         "upstream_keepalive_s": str(UPSTREAM_KEEP_ALIVE_S),
@@ -90,6 +97,15 @@ def render(config: NginxConfig, template: str | None = None) -> str:
 def read_timeout_for(max_timeout_s: float) -> int:
     """Longer than the replicas' request deadline cap, so a replica answers its own 504 first."""
     return math.ceil(max_timeout_s) + 5
+
+
+def retry_window_for(read_timeout_s: int) -> int:
+    """How long after a request's start Nginx may still pass it to another replica: long
+    enough to outlast a hung replica's discovery and kill (whose connections are then reset),
+    and over before ``read_timeout_s``, so that a read timeout (``timeout`` in
+    ``proxy_next_upstream``, as is a connect timeout) is never retried. At least 1 s (0 would
+    mean no limit)."""
+    return max(1, min(RETRY_WINDOW_S, read_timeout_s - 1))
 
 
 def _path_directives(prefix: Path | None) -> dict[str, str]:

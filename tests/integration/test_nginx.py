@@ -17,6 +17,7 @@ from tests.launch import (
     CutOffUpstream,
     SilentUpstream,
     StatusUpstream,
+    UnreachableUpstream,
     free_port_range,
     run_launcher,
     run_nginx,
@@ -246,7 +247,7 @@ def test_no_live_replica_is_a_json_503_with_retry_after(tmp_path):
 def test_gateway_timeout_is_json_and_never_retried(tmp_path):
     slow = [SilentUpstream(), SilentUpstream()]
     try:
-        with run_nginx(tmp_path, [u.address for u in slow], read_timeout_s=1) as nginx:
+        with run_nginx(tmp_path, [u.address for u in slow], read_timeout_s=2) as nginx:
             response = httpx.post(
                 f"{nginx.url}/v1/infer", json={"inputs": "hi"},
                 headers={"x-request-id": "slow-1"}, timeout=30,
@@ -283,6 +284,33 @@ def test_a_replica_answering_503_is_retried_on_another(cluster, tmp_path):
     assert retried, entries
     assert draining.requests == len(retried)
     assert all(served_by(e) == cluster.address("replica-0") for e in entries)
+
+
+def test_a_replica_that_cannot_be_connected_to_in_time_is_retried_on_another(tmp_path):
+    """A connect timeout (a vanished address, a full accept queue) goes to another replica:
+    no replica has seen the request, so nothing runs twice."""
+    unreachable = UnreachableUpstream()
+    healthy = StatusUpstream(200, b'{"ok":true}', {"content-type": "application/json"})
+    try:
+        with run_nginx(tmp_path, [unreachable.address, healthy.address]) as nginx:
+            # least_conn breaks the tie between idle replicas in turn: one of the first two
+            # requests goes to the unreachable one.
+            answers = [
+                httpx.post(f"{nginx.url}/v1/infer", json={"inputs": "hi"}, timeout=30)
+                for _ in range(2)
+            ]
+            entries = nginx.access_entries(expect=2)
+            error_log = (nginx.prefix / "logs" / "error.log").read_text()
+    finally:
+        unreachable.close()
+        healthy.close()
+    assert [a.status_code for a in answers] == [200, 200]
+    assert healthy.requests == 2
+    (retried,) = [e for e in entries if e["upstream_addr"].startswith(unreachable.address)]
+    assert retried["upstream_status"] == "504, 200" and served_by(retried) == healthy.address
+    assert "upstream timed out (110: Connection timed out) while connecting to upstream" in (
+        error_log
+    )
 
 
 # A response head whose body never follows.
