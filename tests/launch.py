@@ -180,7 +180,7 @@ def run_nginx(
     read_timeout_s: int = 30, rate_limit_rps: int = 1000, rate_limit_burst: int = 1000,
     **options: int,
 ) -> Iterator[Nginx]:  # fmt: skip
-    """A real Nginx from deploy/nginx/nginx.conf.template in front of ``upstreams``;
+    """A real Nginx from server/supervise/nginx.conf.template in front of ``upstreams``;
     ``options`` are more ``NginxConfig`` fields (``cache_bytes``...)."""
     nginx = require_nginx()
     port = free_port()

@@ -393,11 +393,12 @@ def test_dockerfile():
     assert "BATCHFIT_HOST=0.0.0.0" in text
 
 
-def test_the_image_installs_every_package_and_its_command_imports(tmp_path):
+def test_the_image_installs_every_package_its_command_imports_and_their_data(tmp_path):
     """``pip install .`` in the image sees only what the Dockerfile copies: a package left out
     is missing from the installed ``batchfit``, whose command line imports them all. Build the
     wheel from exactly those files and import each of its modules with nothing else of the
-    checkout on the path (the test environment's editable install included)."""
+    checkout on the path (the test environment's editable install included); the files the
+    packages read (the Nginx template) must come with them."""
     text = DOCKERFILE.read_text()
     install = re.search(r"^RUN pip install .* \. ", text, re.MULTILINE).start()
     context = tmp_path / "context"
@@ -437,6 +438,10 @@ for name in {sorted(packages)!r}:
     assert package.__file__.startswith({str(installed)!r}), package.__file__
     for module in pkgutil.walk_packages(package.__path__, name + "."):
         importlib.import_module(module.name)
+# batchfit up renders the Nginx template from the package, not from a checkout.
+from server.supervise.nginx import TEMPLATE_PATH, compose_config, render
+assert TEMPLATE_PATH.is_relative_to({str(installed)!r}), TEMPLATE_PATH
+assert "proxy_next_upstream" in render(compose_config())
 sys.argv = ["batchfit", "--help"]
 from server.__main__ import main
 main()

@@ -1,4 +1,5 @@
-"""The Nginx front: render deploy/nginx/nginx.conf.template, check it, run it with a prefix.
+"""The Nginx front: render nginx.conf.template (beside this module, so that an installed
+``batchfit up`` has it), check it, run it with a prefix.
 
 One template serves both deployments: docker-compose (replica-N:8000, logs to the container's
 stdout/stderr, the image's own temp paths) and ``batchfit up`` (loopback replicas, everything
@@ -23,8 +24,9 @@ from pathlib import Path
 from ..public_api import nginx_location_regex
 from ..settings import LauncherSettings, Settings
 
+# The checkout's root: the compose rendering is written into it, never read by a replica.
 ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE_PATH = ROOT / "deploy" / "nginx" / "nginx.conf.template"
+TEMPLATE_PATH = Path(__file__).resolve().with_name("nginx.conf.template")
 COMPOSE_CONFIG_PATH = ROOT / "deploy" / "nginx" / "nginx.conf"
 COMPOSE_UPSTREAMS = ("replica-0:8000", "replica-1:8000")
 # uvicorn's keep-alive (server/cli.py uses this) and Nginx's upstream keep-alive below it: Nginx
