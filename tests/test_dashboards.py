@@ -158,3 +158,37 @@ def test_the_model_variable_filters_every_per_model_series():
         for name, selector in re.findall(r"\b(batchfit_[a-z_]+)\{([^}]*)\}", query.expr):
             wants_model = name in labelled
             assert ('model=~"$model"' in selector) is wants_model, f"{query}: {name}{{{selector}}}"
+
+
+def _matches(operator: str, value: str, label: str) -> bool:
+    return {
+        "=": label == value,
+        "!=": label != value,
+        "=~": re.fullmatch(value, label) is not None,
+        "!~": re.fullmatch(value, label) is None,
+    }[operator]
+
+
+def test_request_latency_panels_count_every_route_that_runs_a_model():
+    """Whichever protocol the clients speak (OpenAI's /v1/embeddings alone, say), the latency
+    panels show their requests; /v1/models runs no model and is left out."""
+    from server.middleware import COUNTED_ENDPOINTS, V2_INFER
+
+    inference = (COUNTED_ENDPOINTS - {"/v1/models"}) | {V2_INFER}
+    selectors = [
+        selector
+        for query in all_panel_queries()
+        for selector in re.findall(
+            r"batchfit_request_duration_seconds_bucket\{([^}]*)\}", query.expr
+        )
+    ]
+    assert selectors
+    for selector in selectors:
+        matchers = re.findall(r'\bendpoint(=~|!~|!=|=)"([^"]*)"', selector)
+        assert matchers, selector
+        for endpoint in inference:
+            assert all(_matches(op, value, endpoint) for op, value in matchers), (
+                endpoint,
+                selector,
+            )
+        assert not all(_matches(op, value, "/v1/models") for op, value in matchers), selector

@@ -89,13 +89,16 @@ def ratio(numerator: str, denominator: str) -> str:
 
 
 def latency_row() -> list[Panel]:
-    infer = f'endpoint="/v1/infer",{MSEL}'
+    # Every route that runs a model (/v1/infer, /v1/embeddings, /v1/rerank, v2 infer): all
+    # but /v1/models, whichever protocol the clients speak.
+    infer = f'endpoint!="/v1/models",{MSEL}'
     return [
         timeseries(
             "Request latency, fleet (p50 / p95 / p99)", "s",
             quantiles("batchfit_request_duration_seconds", infer),
-            description="End-to-end latency of /v1/infer inside the replicas, all replicas "
-            "pooled (histogram_quantile over sum by le).",
+            description="End-to-end latency of inference requests inside the replicas "
+            "(/v1/infer, /v1/embeddings, /v1/rerank and v2 infer), all replicas pooled "
+            "(histogram_quantile over sum by le).",
         ),
         timeseries(
             "Request latency per replica (p50 / p95 / p99)", "s",
