@@ -16,13 +16,16 @@ class UnknownPrompt(ModelError):
         self.known = known
 
 
-def resolve_prompt(info: ModelInfo, prompt_name: str | None, prompt: str | None) -> str | None:
+def resolve_prompt(
+    info: ModelInfo, prompt_name: str | None, prompt: str | None, *, name: str | None = None
+) -> str | None:
     """The text to put before each input: a literal ``prompt`` as given, else the named
-    prompt, else the model's default prompt; None (or an empty prompt) puts nothing."""
+    prompt, else the model's default prompt; None (or an empty prompt) puts nothing. ``name``:
+    what an error calls the model (None: its own name)."""
     if prompt is None:
         if prompt_name is not None:
             if prompt_name not in info.prompts:
-                raise UnknownPrompt(info.name, prompt_name, list(info.prompts))
+                raise UnknownPrompt(name or info.name, prompt_name, list(info.prompts))
             prompt = info.prompts[prompt_name]
         elif info.default_prompt_name is not None:
             prompt = info.prompts.get(info.default_prompt_name)

@@ -74,30 +74,31 @@ def check_prompt(prompt_name: str | None, prompt: str | None) -> None:
             ) from None
 
 
-def check_dimensions(info: ModelInfo, dimensions: int | None) -> None:
-    """Matryoshka ``dimensions``: from 1 to the model's output size, embedders only."""
+def check_dimensions(info: ModelInfo, dimensions: int | None, *, name: str) -> None:
+    """Matryoshka ``dimensions``: from 1 to the model's output size, embedders only. ``name``:
+    the model's name as served (what the client called it)."""
     if dimensions is None:
         return
     if info.task != "embed" or not info.output_dim:
         raise ApiError(
             400, "unsupported_parameter",
-            f"dimensions applies to embedding models; {info.name!r} does {info.task}",
+            f"dimensions applies to embedding models; {name!r} does {info.task}",
         )  # fmt: skip
     if not 1 <= dimensions <= info.output_dim:
         raise ApiError(
             400, "invalid_dimensions",
-            f"dimensions must be from 1 to {info.output_dim} (the size of {info.name!r}'s "
+            f"dimensions must be from 1 to {info.output_dim} (the size of {name!r}'s "
             f"embeddings), got {dimensions}",
         )  # fmt: skip
 
 
-def check_top_k(info: ModelInfo, top_k: int | None) -> None:
+def check_top_k(info: ModelInfo, top_k: int | None, *, name: str) -> None:
     if top_k is None:
         return
     if info.task != "classify":
         raise ApiError(
             400, "unsupported_parameter",
-            f"top_k applies to classifiers; {info.name!r} does {info.task}",
+            f"top_k applies to classifiers; {name!r} does {info.task}",
         )  # fmt: skip
     if top_k < 1:
         raise ApiError(422, "invalid_top_k", f"top_k must be at least 1, got {top_k}")
@@ -144,7 +145,7 @@ async def infer_for_request(
     state = request.scope.setdefault("state", {})
     state["model"] = name
     check_prompt(prompt_name, prompt)
-    resolved = resolve_prompt(slot.info, prompt_name, prompt)
+    resolved = resolve_prompt(slot.info, prompt_name, prompt, name=name)
     # Read by the access log once the request has been answered.
     state["trace"] = trace = RequestTrace()
     # NOTE: awaited in the request's own task; the client's disconnect settles the wait

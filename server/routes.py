@@ -157,8 +157,8 @@ async def handle_infer(request: Request) -> ASGIApp:
     slot = slot_for_task(request, body.model, ("embed", "classify"), "/v1/infer")
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     check_inputs(runtime, inputs)
-    check_dimensions(slot.info, body.dimensions)
-    check_top_k(slot.info, body.top_k)
+    check_dimensions(slot.info, body.dimensions, name=slot.name)
+    check_top_k(slot.info, body.top_k, name=slot.name)
     asked = [t for t in (body.timeout_s, header_timeout) if t is not None]
     timeout_s = min(asked, default=runtime.config.default_timeout_s)
     outputs, num_tokens = await infer_for_request(

@@ -367,7 +367,7 @@ def test_a_model_whose_prepare_takes_no_prompt_gets_it_in_front_of_the_text():
             seen.append(list(inputs))
             return []
 
-    prepare_call(Plain(), ["a", "b"], truncate=True, query=None, prompt="query: ")()
+    prepare_call(Plain(), ["a", "b"], name="p", truncate=True, query=None, prompt="query: ")()
     assert seen == [["query: a", "query: b"]]
 
 

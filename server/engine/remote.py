@@ -347,7 +347,7 @@ class RemoteRuntime:
         slot = self.slot(model)
         trace = trace if trace is not None else RequestTrace()
         prepare = prepare_call(
-            slot.model, inputs, truncate=truncate, query=query, prompt=prompt,
+            slot.model, inputs, name=slot.name, truncate=truncate, query=query, prompt=prompt,
             truncation_direction=truncation_direction,
         )  # fmt: skip
         # As in one process: a request alone here is tokenized inline up to a larger size.

@@ -154,7 +154,7 @@ async def handle_embeddings(request: Request) -> ASGIApp:
             raise
         raise ParamError(exc.status, exc.error_type, exc.message, "model") from None
     try:
-        check_dimensions(slot.info, body.dimensions)
+        check_dimensions(slot.info, body.dimensions, name=slot.name)
     except ApiError as exc:
         raise ParamError(exc.status, exc.error_type, exc.message, "dimensions") from None
     inputs = [body.input] if isinstance(body.input, str) else body.input

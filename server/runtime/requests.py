@@ -45,7 +45,7 @@ class RequestPath:
         """Tokenize ``inputs`` for ``slot``'s model, then as ``answer``."""
         assert slot.model is not None
         prepare = prepare_call(
-            slot.model, inputs, truncate=truncate, query=query, prompt=prompt,
+            slot.model, inputs, name=slot.name, truncate=truncate, query=query, prompt=prompt,
             truncation_direction=truncation_direction,
         )  # fmt: skip
         alone = self._work.active_requests <= 1  # this one

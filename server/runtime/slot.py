@@ -228,12 +228,13 @@ def tokenize_inline(
 
 
 def prepare_call(
-    model: Model, inputs: Sequence[str], *, truncate: bool, query: str | None, prompt: str | None,
-    truncation_direction: str | None = None,
+    model: Model, inputs: Sequence[str], *, name: str, truncate: bool, query: str | None,
+    prompt: str | None, truncation_direction: str | None = None,
 ) -> Callable[[], list[Any]]:  # fmt: skip
     """The tokenization of a request's inputs, to run inline or off the event loop. A model
     whose ``prepare`` takes no ``prompt`` gets the prompt already in front of each text; one
-    that takes no ``truncation_direction`` cannot be asked for one (400)."""
+    that takes no ``truncation_direction`` cannot be asked for one (400). ``name``: the
+    model's name as served, for that error."""
     prepare = model.prepare_pairs if query is not None else model.prepare  # type: ignore[attr-defined]
     parameters = _parameters(prepare)
     options: dict[str, Any] = {"truncate": truncate}
@@ -241,7 +242,7 @@ def prepare_call(
         if "truncation_direction" not in parameters:
             raise ApiError(
                 400, "unsupported_parameter",
-                f"model {model.info.name!r} cannot truncate from a chosen side; leave "
+                f"model {name!r} cannot truncate from a chosen side; leave "
                 "truncation_direction out",
             )  # fmt: skip
         options["truncation_direction"] = truncation_direction

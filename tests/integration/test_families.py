@@ -21,7 +21,12 @@ BY_NAME = {family.name: family for family in FAMILIES}
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    return build_all(tmp_path_factory.mktemp("families"))
+    # Each model is served under a name other than its folder's: what a client is told names
+    # the model as it called it.
+    built = build_all(tmp_path_factory.mktemp("families"))
+    return {
+        name: folder.rename(folder.with_name(f"{name}-files")) for name, folder in built.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +194,11 @@ def test_bad_options_are_refused_with_their_message(client, path, body, status, 
     response = client.post(path, json={"inputs": ["hello"], **body})
     assert response.status_code == status, response.text
     assert response.json()["error_type"] == error_type
-    assert needle in response.json()["error"]
+    message = response.json()["error"]
+    assert needle in message
+    if error_type in ("unknown_prompt", "invalid_dimensions", "unsupported_parameter"):
+        assert repr(body["model"]) in message  # the name it is served under
+    assert "-files" not in message
 
 
 @pytest.mark.parametrize(
@@ -208,6 +217,7 @@ def test_openai_route_refuses_bad_options_in_its_shape(client, body, code, param
     error = response.json()["error"]
     assert (error["code"], error["param"]) == (code, param)
     assert needle in error["message"]
+    assert "'bert-prompts'" in error["message"] and "-files" not in error["message"]
 
 
 def test_kserve_v2_parameters_choose_the_prompt_too(client):
