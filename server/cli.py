@@ -101,6 +101,10 @@ def serve(settings: Settings) -> int:
     from .runtime.drain import DrainingServer
     from .supervise.nginx import UVICORN_KEEP_ALIVE_S
 
+    busy = _busy_port(settings)
+    if busy is not None:
+        print(f"batchfit: {busy}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level)
     # Read by oneDNN at its first use: before the model loads. An operator's value wins.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
@@ -181,6 +185,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_flags(bench_parser)
     add_bulk_parsers(commands)
     return parser
+
+
+def _busy_port(settings: Settings) -> str | None:
+    """Which of the ports to listen on is taken, said in one line (None: both are free),
+    before the model loads: a taken one would otherwise end start-up in a traceback."""
+    from .metrics_server import bind
+
+    for flag, port in (("--port", settings.port), ("--metrics-port", settings.metrics_port)):
+        if not port:  # none, or 0: any free port
+            continue
+        try:
+            bind(settings.host, port).close()
+        except OSError as exc:
+            return (
+                f"cannot listen on {settings.host}:{port} ({flag}): "
+                f"{os.strerror(exc.errno) if exc.errno else exc}; choose "
+                "another port, or stop what listens there"
+            )
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

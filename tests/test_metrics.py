@@ -13,6 +13,7 @@ from batching import BatchingMetrics, MemoryMetrics
 from batching.metrics import latency_buckets, powers_of_two
 from server import Settings, create_app
 from server.cli import build_parser, settings_from_args
+from server.cli import main as cli_main
 from server.metrics import ServerMetrics
 from tests.fakes import ScriptedModel
 from tests.servers import free_port
@@ -250,3 +251,22 @@ async def test_metrics_port_in_use_fails_start_up(registry):
         with pytest.raises(OSError):
             async with app.router.lifespan_context(app):
                 pass
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_port_in_use_ends_serve_in_one_line_before_the_model_loads(flag, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        other = str(free_port())
+        ports = [port, other] if flag == "--port" else [other, port]
+        argv = ["serve", "--port", str(ports[0]), "--metrics-port", str(ports[1])]
+        # A model that does not exist: were it loaded, serve would fail on it instead.
+        code = cli_main([*argv, "--model", "/nonexistent/model"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"batchfit: cannot listen on 127.0.0.1:{port} ({flag}): Address already in use; "
+        "choose another port, or stop what listens there\n"
+    )

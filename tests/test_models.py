@@ -1,3 +1,6 @@
+import asyncio
+import re
+
 import httpx
 import pytest
 import torch
@@ -10,10 +13,12 @@ from models import (
     ModelSpec,
     is_out_of_memory,
     load_model,
+    loading,
     translate_error,
 )
 from models.errors import requested_bytes
 from models.testing import save_tiny_model
+from server import Settings, create_app
 from tests.inprocess import serve_in_thread
 
 
@@ -140,6 +145,30 @@ def test_pickle_checkpoint_is_refused(tmp_path):
 def test_folder_without_config_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_model(ModelSpec(model=str(tmp_path), device="cpu"))
+
+
+@pytest.mark.parametrize("name", ["/models/missing", "./missing", "../missing", "~/missing"])
+def test_a_folder_that_does_not_exist_is_said_so_never_looked_up_on_the_hub(name, monkeypatch):
+    def download(repo_id):
+        raise AssertionError(f"{repo_id!r} was looked up on the hub")
+
+    monkeypatch.setattr(loading, "download", download)
+    with pytest.raises(ModelLoadError, match=rf"no such model folder: '{re.escape(name)}'"):
+        load_model(ModelSpec(model=name, device="cpu"))
+
+
+async def test_a_model_that_cannot_load_is_one_logged_line_without_a_traceback(caplog):
+    app = create_app(Settings(model=("/models/missing",)))
+    async with app.router.lifespan_context(app):
+        runtime = app.state.runtime
+        async with asyncio.timeout(60):
+            while runtime.startup_error is None:
+                await asyncio.sleep(0.01)
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("start-up failed")]
+    assert record.getMessage() == (
+        "start-up failed: no such model folder: '/models/missing' (/models/missing does not exist)"
+    )
+    assert record.exc_info is None
 
 
 def test_unknown_device_is_refused(tmp_path):

@@ -32,6 +32,7 @@ from models import (
     DeviceError,
     Item,
     Model,
+    ModelLoadError,
     ModelOutOfMemory,
     set_cpu_threads,
 )
@@ -192,7 +193,12 @@ class Runtime:
             await self._start()
         except Exception as exc:
             self.startup_error = exc
-            log.exception("start-up failed")
+            if isinstance(exc, ModelLoadError):
+                # What to serve is wrong (a missing folder, refused weights): the message says
+                # what and how to fix it; a traceback would bury it.
+                log.error("start-up failed: %s", exc)
+            else:
+                log.exception("start-up failed")
             if self._on_fatal is not None:
                 self._on_fatal()
 
