@@ -282,7 +282,8 @@ class Settings(BaseSettings):
     access_log: bool = Field(
         False,
         description="Write one JSON line per request to stdout: request id, endpoint, status, "
-        "inputs, tokens, queue wait, batch sizes and duration (never the text). Health checks, "
+        "inputs, tokens, inputs answered from the output cache, queue wait, batch sizes and "
+        "duration (never the text). Health checks, "
         "metrics scrapes and the status page's polling are left out.",
     )
 
