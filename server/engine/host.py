@@ -48,6 +48,8 @@ TALLY_TIMEOUT_S = 0.5
 the next sample)."""
 WORKER_STOP_GRACE_S = 15.0
 """After the drain, how long the API processes may take to answer and close."""
+MAX_FAILED_STARTS = 3
+"""API processes in a row that exit before they say hello end the replica (exit status 1)."""
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -70,6 +72,8 @@ class WorkerProcess:
         self.link: Link | None = None
         self.greeted = False
         """Whether it has said hello: from then on it hears the engine's state."""
+        self.said_hello = False
+        """Whether it ever did (``greeted`` is cleared once it has exited)."""
         self.open: dict[int, ConnectionWatch] = {}
         """Its requests in the engine, by its request number: their watch tells the
         runtime when the request is gone (cancelled, or the process died)."""
@@ -87,6 +91,8 @@ class EngineHost:
         self.workers: dict[int, WorkerProcess] = {}
         self._stopping = asyncio.Event()
         self._failed = False
+        self._failed_starts = 0
+        """API processes in a row that exited before they said hello."""
         self._collects: dict[int, tuple[asyncio.Future[None], list[Any]]] = {}
         self._next_collect = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -156,7 +162,9 @@ class EngineHost:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with theirs, at_home():  # not the CPU the event loop may be held to
             process = subprocess.Popen(
-                [sys.executable, "-m", "server.engine.worker"],
+                # -P: the working directory stays off sys.path, where a folder named like one
+                # of ours (models/, say) would hide the package and every start would fail.
+                [sys.executable, "-P", "-m", "server.engine.worker"],
                 stdin=subprocess.PIPE,
                 pass_fds=(fd, theirs.fileno()),
             )
@@ -191,6 +199,17 @@ class EngineHost:
         if self.workers.get(worker.index) is worker:
             del self.workers[worker.index]
         if self._stopping.is_set() or self.runtime.draining:
+            return
+        # One that dies before it ever said hello cannot start (an import or a setting that
+        # fails every time): after a few in a row, stop the replica rather than loop.
+        self._failed_starts = 0 if worker.said_hello else self._failed_starts + 1
+        if self._failed_starts >= MAX_FAILED_STARTS:
+            log.error(
+                "API process %d (pid %d) exited with %s before it started, %d times in a row; "
+                "stopping the replica (its log above says why)",
+                worker.index, worker.process.pid, code, self._failed_starts,
+            )  # fmt: skip
+            self._fatal()
             return
         log.error("API process %d (pid %d) exited with %s; starting it again",
                   worker.index, worker.process.pid, code)  # fmt: skip
@@ -287,7 +306,7 @@ class EngineHost:
         if self.workers.get(worker.index) is not worker:
             return  # a process that has exited already
         if kind == wire.HELLO:
-            worker.greeted = True
+            worker.greeted = worker.said_hello = True
             self._send_state()
             return
         if kind == wire.INFER:

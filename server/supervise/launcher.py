@@ -221,7 +221,8 @@ class Launcher:
         env = replica_environment(self.settings.replicas)
         for index, (port, metrics_port) in enumerate(ports):
             log_path = prefix / f"replica-{index}.log"
-            argv = (sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
+            # -P: a folder named like one of our packages where this runs must not hide it.
+            argv = (sys.executable, "-P", "-m", "server", "serve", "--host", "127.0.0.1",
                     "--port", str(port), "--metrics-port", str(metrics_port),
                     *self.replica_argv)  # fmt: skip
             child = Child(

@@ -14,6 +14,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +35,7 @@ from models.spec import BUNDLED_MODEL
 from tests.fakes import GATE_ENV, STALL_THE_LOOP
 from tests.integration.test_server import SENTENCES, reference  # noqa: F401 (a fixture)
 from tests.rawhttp import send_request
-from tests.servers import ServerProcess, free_port, run_server
+from tests.servers import ServerProcess, free_port, run_server, stop_process, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -574,3 +576,48 @@ def test_a_hung_forward_pass_in_the_engine_fails_liveness_in_every_api_process(t
         poll(lambda: answers() == {200}, 30)
     assert hung.json()["error_type"] == "model_hung", hung.text
     assert "--forward-timeout-s 1" in hung.json()["error"]
+
+
+# -- where the replica runs from
+
+
+@contextlib.contextmanager
+def batchfit_serve(cwd: Path, log_path: Path, *flags: str, env: dict[str, str] | None = None):
+    """``batchfit serve`` as a user runs it (the console script) from ``cwd``."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [str(Path(sys.executable).with_name("batchfit")), "serve", "--port", str(port),
+             "--model", "python:bench.noop:create", "--api-workers", "2", *flags],
+            cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )  # fmt: skip
+    try:
+        yield ServerProcess(f"http://127.0.0.1:{port}", port, process, log_path)
+    finally:
+        stop_process(process)
+
+
+def test_api_processes_start_from_a_folder_holding_folders_named_like_the_packages(tmp_path):
+    home = tmp_path / "home"
+    for name in ("models", "server", "batching"):
+        (home / name).mkdir(parents=True)
+    with batchfit_serve(home, tmp_path / "serve.log") as server:
+        wait_ready(server, 120)
+        answer = httpx.post(f"{server.url}/v1/infer", json={"inputs": "hi"}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert "starting it again" not in server.log()
+
+
+def test_api_processes_that_cannot_start_end_the_replica_instead_of_looping(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    # Every API process (and only they) dies at start, as a broken install would make it.
+    (site / "sitecustomize.py").write_text(
+        "import os, sys\nif 'server.engine.worker' in sys.orig_argv:\n    os._exit(3)\n"
+    )
+    with batchfit_serve(tmp_path, tmp_path / "serve.log", env={"PYTHONPATH": str(site)}) as server:
+        assert server.process.wait(120) == 1
+    log = server.log()
+    assert log.count("exited with 3 before it started") == 1, log
+    assert "exited with 3 before it started, 3 times in a row; stopping the replica" in log
+    assert log.count("exited with 3; starting it again") == 2, log
