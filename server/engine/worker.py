@@ -55,6 +55,11 @@ class WorkerServer(uvicorn.Server):
 
 
 def main() -> int:
+    # What the engine sends may name a `python:` model's own module, importable from the
+    # working directory as it is in the engine (models/custom.py). Started with -P, so that a
+    # folder there named like one of our packages cannot hide it, this process puts the
+    # directory at the end of the path, once our packages are imported.
+    sys.path.append(os.getcwd())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     stdin = sys.stdin.buffer
