@@ -2,7 +2,8 @@
 
 Browser pages (the status page, the API docs) cannot send a bearer header, so there the key is
 also accepted as the password of HTTP Basic auth (any user name), and a 401 asks the browser
-for it."""
+for it. The protocols' routes (OpenAI's, KServe v2's) answer the 401 in their own error shape,
+so their clients raise their usual errors."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import hmac
 from collections.abc import Sequence
 
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import ApiError, error_response
+from .protocols.kserve_v2 import v2_error_response
+from .protocols.openai import openai_error_response
 
 # Probes and scrapers carry no key; everything else (the API, its schema and docs) needs one.
 OPEN_PATHS = frozenset({"/metrics"})
@@ -25,6 +29,23 @@ BROWSER_PREFIXES = ("/status", "/docs", "/redoc", "/openapi.json")
 
 def is_open(path: str) -> bool:
     return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+def unauthorized(request: Request, error: ApiError) -> Response:
+    """The 401 in the error shape of the route asked for: OpenAI's on ``/v1/embeddings``,
+    KServe v2's under ``/v2``, ours elsewhere; ``WWW-Authenticate: Bearer`` in each."""
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]  # as the routes see it under a root path
+    if path == "/v1/embeddings":
+        response = openai_error_response(request, error)
+    elif path == "/v2" or path.startswith("/v2/"):
+        response = v2_error_response(request, error)
+    else:
+        return error_response(request, error)
+    request.state.error_type = error.error_type
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
 
 
 def _matches_any(token: bytes, keys: Sequence[bytes]) -> bool:
@@ -85,7 +106,7 @@ class ApiKeyMiddleware:
             return
         message = "missing API key" if header is None else "invalid API key"
         error = ApiError(401, "unauthorized", message)
-        response = error_response(Request(scope), error)
+        response = unauthorized(Request(scope), error)
         if browser:
             response.headers["WWW-Authenticate"] = 'Basic realm="batchfit", charset="UTF-8"'
         await response(scope, receive, send)

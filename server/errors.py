@@ -82,7 +82,8 @@ _ERROR_TYPES = (
               "`prompt_name` (400 on "
               "`/v1/embeddings` and `/v2`, as those protocols answer)"),
     ErrorType("invalid_top_n", (422,),
-              "`top_n` on `/v1/rerank` outside 1 to the number of documents"),
+              "`top_n` on `/v1/rerank` below 1 (above the number of documents it returns them "
+              "all)"),
     ErrorType("invalid_top_k", (422,), "`top_k` on `/v1/infer` below 1"),
     ErrorType("overloaded", (429,),
               "the replica's queue is full; `Retry-After` says when to retry"),

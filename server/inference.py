@@ -38,8 +38,12 @@ def slot_for_task(
     return slot
 
 
-def check_inputs(runtime: Runtime, inputs: Sequence[str], field: str = "inputs") -> None:
-    """The same limits as ``/v1/infer``: not empty, not too many, no empty string."""
+def check_inputs(
+    runtime: Runtime, inputs: Sequence[str], field: str = "inputs", *, schema_status: int = 422
+) -> None:
+    """The same limits as ``/v1/infer``: not empty, not too many, no empty string.
+    ``schema_status``: the route's status for a schema error (a lone surrogate): 422 on our
+    own routes, 400 on the protocols' (as OpenAI and KServe answer)."""
     limit = runtime.config.max_inputs_per_request
     if not inputs:
         raise ApiError(400, "empty_input", f"{field} is empty")
@@ -56,21 +60,25 @@ def check_inputs(runtime: Runtime, inputs: Sequence[str], field: str = "inputs")
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise ApiError(
-                422, "invalid_request", f"input {index} is not valid Unicode (lone surrogate)"
-            ) from None
+                schema_status, "invalid_request",
+                f"input {index} is not valid Unicode (lone surrogate)",
+            ) from None  # fmt: skip
 
 
-def check_prompt(prompt_name: str | None, prompt: str | None) -> None:
+def check_prompt(prompt_name: str | None, prompt: str | None, *, schema_status: int = 422) -> None:
+    """Schema errors of the prompt fields, with the route's ``schema_status`` (as
+    ``check_inputs``)."""
     if prompt_name is not None and prompt is not None:
         raise ApiError(
-            400, "invalid_request", "give prompt_name or prompt (a literal prompt), not both"
-        )
+            schema_status, "invalid_request",
+            "give prompt_name or prompt (a literal prompt), not both",
+        )  # fmt: skip
     if prompt is not None:
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise ApiError(
-                422, "invalid_request", "prompt is not valid Unicode (lone surrogate)"
+                schema_status, "invalid_request", "prompt is not valid Unicode (lone surrogate)"
             ) from None
 
 

@@ -36,7 +36,8 @@ class RerankRequest(BaseModel):
     )
     top_n: int | None = Field(
         None,
-        description="Return only the best top_n results; from 1 to the number of documents "
+        description="Return at most the best top_n results (a limit, as in Cohere's and "
+        "Jina's rerank APIs: beyond the number of documents, all of them); at least 1 "
         "(else 422 invalid_top_n). Default: all of them.",
     )
     return_documents: bool = Field(
@@ -89,13 +90,11 @@ async def handle_rerank(request: Request) -> ASGIApp:
     runtime = request.app.state.runtime
     check_inputs(runtime, [body.query], field="query")
     check_inputs(runtime, body.documents, field="documents")
-    top_n = len(body.documents) if body.top_n is None else body.top_n
-    if not 1 <= top_n <= len(body.documents):
-        raise ApiError(
-            422, "invalid_top_n",
-            f"top_n must be from 1 to the number of documents ({len(body.documents)}), "
-            f"got {top_n}",
-        )  # fmt: skip
+    if body.top_n is not None and body.top_n < 1:
+        raise ApiError(422, "invalid_top_n", f"top_n must be at least 1, got {body.top_n}")
+    # A limit, as Cohere and Jina read it: LangChain's rerankers send top_n=3 whatever the
+    # number of candidates.
+    top_n = len(body.documents) if body.top_n is None else min(body.top_n, len(body.documents))
     request_id = request_id_of(request)
     scores, num_tokens = await infer_for_request(
         request, body.documents, request_id=request_id, model=slot.name, query=body.query,

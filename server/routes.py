@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+import time
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
@@ -37,6 +38,7 @@ from .lean import (
     read_body,
     validation_errors,
 )
+from .protocols.routes import protocol_route
 from .schemas import ErrorBody, InferRequest, InferResponse, ModelList, Status
 
 if TYPE_CHECKING:  # the engine's; an API process never imports it (nor torch)
@@ -210,13 +212,91 @@ router.add_api_route(
 )
 
 
-@router.get("/v1/models", response_model=ModelList, responses=NOT_READY_RESPONSES)
+STARTED_S = int(time.time())
+"""OpenAI's ``created`` for every model: when this process started (it imports this module
+as it starts).
+
+NOTE: not the model folder's mtime: a custom factory's model has no folder, a hub model's is
+its download into the cache (so it differs between replicas anyway), and an API process
+(``--api-workers``) never sees the folder. This number exists in every process and stays the
+same for its life, so a client that caches the list never sees it change under it."""
+OWNED_BY = "batchfit"
+
+
+class OpenAIModel(BaseModel):
+    id: str = Field(description="The served model's name (its card's name).")
+    object: Literal["model"] = "model"
+    created: int = Field(description="When the answering process started (Unix seconds).")
+    owned_by: str = Field(OWNED_BY, description=f"Always {OWNED_BY!r}.")
+
+
+class ModelListResponse(ModelList):
+    object: Literal["list"] = "list"
+    data: list[OpenAIModel] = Field(
+        description="The same models as OpenAI's List models answers them, for its clients."
+    )
+
+
+def openai_model(name: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": STARTED_S, "owned_by": OWNED_BY}
+
+
+@router.get("/v1/models", response_model=ModelListResponse, responses=NOT_READY_RESPONSES)
 async def list_models(request: Request) -> Response:
-    """Every served model, the default (the one requests without a model run on) first."""
+    """Every served model, the default (the one requests without a model run on) first: our
+    cards under ``models``, OpenAI's model objects under ``data`` (its clients'
+    ``models.list()``)."""
     runtime = _runtime(request)
     if not runtime.slots:
         raise not_ready()
-    return _json({"models": [slot.card() for slot in runtime.slots.values()]})
+    slots = list(runtime.slots.values())
+    return _json(
+        {
+            "models": [slot.card() for slot in slots],
+            "object": "list",
+            "data": [openai_model(slot.name) for slot in slots],
+        }
+    )
+
+
+def _openai_error(request: Request, error: ApiError) -> Response:
+    """An error in OpenAI's shape; an unknown model's ``param`` is ``model``, as OpenAI's."""
+    # NOTE: imported here, not above: protocols/openai.py imports this module.
+    from .protocols.openai import openai_error_response
+
+    param = "model" if error.error_type == "model_not_found" else None
+    return openai_error_response(request, error, param)
+
+
+# OpenAI's error body, the component /v1/embeddings declares (protocols/openai.py's
+# OpenAIErrorBody, which cannot be imported here for the same reason).
+_OPENAI_ERROR_BODY = {
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIErrorBody"}}}
+}
+# OpenAI's routes live in protocols/openai.py; this one sits beside GET /v1/models.
+_openai_router = APIRouter(
+    tags=["OpenAI"], route_class=protocol_route(_openai_error, validation_status=400)
+)
+
+
+@_openai_router.get(
+    "/v1/models/{name:path}",
+    response_model=OpenAIModel,
+    responses={
+        404: {"description": "No model of that name is served (model_not_found)"}
+        | _OPENAI_ERROR_BODY,
+        503: {"description": "Not ready or draining; see Retry-After"} | _OPENAI_ERROR_BODY,
+    },
+    summary="Retrieve a model (OpenAI-compatible)",
+)
+async def retrieve_model(name: str, request: Request) -> Response:
+    """One served model as OpenAI's Retrieve model answers it (its clients'
+    ``models.retrieve(name)``); errors in OpenAI's shape."""
+    # {name:path}: a hub model serves under its hub name, which has a slash.
+    return _json(openai_model(_runtime(request).slot(name).name))
+
+
+router.include_router(_openai_router)
 
 
 @router.get(

@@ -6,9 +6,15 @@ middleware wrappers, route matching through the included routers, dependency sol
 """
 
 from .answer import JsonAnswer, encode_json
-from .body import is_json_media_type, parse_body, read_body, validation_errors
+from .body import (
+    is_json_media_type,
+    parse_body,
+    read_body,
+    require_json_media_type,
+    validation_errors,
+)
 from .front import LeanFront, install_lean_front
-from .route import LeanHandler, lean_route
+from .route import LeanHandler, lean_route, method_not_allowed
 
 __all__ = [
     "JsonAnswer",
@@ -18,7 +24,9 @@ __all__ = [
     "install_lean_front",
     "is_json_media_type",
     "lean_route",
+    "method_not_allowed",
     "parse_body",
     "read_body",
+    "require_json_media_type",
     "validation_errors",
 ]

@@ -3,7 +3,7 @@ FastAPI's, the per-request path is ours."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -47,6 +47,15 @@ def _render(request: Request, error: ApiError, render: ErrorRenderer) -> Respons
     return render(request, error)
 
 
+def method_not_allowed(scope: Scope, methods: Collection[str], render: ErrorRenderer) -> Response:
+    """405 ``method_not_allowed`` with ``Allow``, in ``render``'s shape (a protocol's own,
+    where the framework would answer in ours)."""
+    error = ApiError(405, "method_not_allowed", "Method Not Allowed")
+    response = _render(Request(scope), error, render)
+    response.headers["Allow"] = ", ".join(sorted(methods))
+    return response
+
+
 def lean_route(
     handler: LeanHandler, *, render: ErrorRenderer, validation: ValidationMapper
 ) -> type[APIRoute]:
@@ -65,6 +74,6 @@ def lean_route(
             if scope["method"] in self.methods:
                 await self.lean_app(scope, receive, send)
             else:
-                await super().handle(scope, receive, send)  # 405 with Allow
+                await method_not_allowed(scope, self.methods, render)(scope, receive, send)
 
     return LeanRoute

@@ -14,15 +14,23 @@ from typing import Any
 import numpy as np
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
+from pydantic import TypeAdapter
 from starlette.responses import Response
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from models import ModelInfo
 
-from ..errors import ApiError, not_ready, request_id_of
-from ..inference import check_inputs, infer_for_request, runtime_of, shape_outputs
-from ..lean import JsonAnswer, encode_json, lean_route, read_body
+from ..errors import ApiError, draining, not_ready, request_id_of
+from ..inference import check_inputs, check_prompt, infer_for_request, runtime_of, shape_outputs
+from ..lean import (
+    JsonAnswer,
+    encode_json,
+    lean_route,
+    method_not_allowed,
+    parse_body,
+    read_body,
+    require_json_media_type,
+)
 from ..runtime import ModelSlot
 from .kserve_schemas import (
     HEADER_LENGTH,
@@ -36,10 +44,14 @@ from .kserve_schemas import (
     ServerMetadata,
     V2Error,
 )
-from .routes import describe_pydantic, protocol_route, protocol_validation, retry_headers
+from .routes import protocol_route, protocol_validation, retry_headers
 
 INPUT_NAME = "text"
 MODEL_VERSION = "1"
+# Schema errors are 400 here, as the protocol answers them.
+SCHEMA_STATUS = 400
+# Besides JSON: Triton's binary tensor data (tritonclient sends no content type at all).
+BINARY_MEDIA_TYPE = "application/octet-stream"
 
 
 def v2_error_response(request: Request, error: ApiError) -> Response:
@@ -55,6 +67,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": V2Error, "description": description}
     for code, description in {
         400: "Bad request: body, tensor name, datatype, shape or parameters",
+        401: "Missing or wrong API key (when the server requires one)",
         404: "No such model (model_not_found) or version",
         413: "Body, input count or input length too large",
         429: "Queue full; see Retry-After",
@@ -65,9 +78,20 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     }.items()
 }
 
-router = APIRouter(tags=["Open Inference Protocol v2"], route_class=protocol_route(
-    v2_error_response, validation_status=400
-))  # fmt: skip
+_ProtocolRoute = protocol_route(v2_error_response, validation_status=SCHEMA_STATUS)
+
+
+class V2Route(_ProtocolRoute):
+    """A v2 route: a method it does not take gets 405 in the protocol's shape too."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.methods and scope["method"] not in self.methods:
+            await method_not_allowed(scope, self.methods, v2_error_response)(scope, receive, send)
+        else:
+            await super().handle(scope, receive, send)
+
+
+router = APIRouter(tags=["Open Inference Protocol v2"], route_class=V2Route)
 
 
 def _json(body: Any, status_code: int = 200) -> Response:
@@ -156,8 +180,12 @@ async def handle_infer(request: Request) -> ASGIApp:
 
 
 _LEAN_ROUTE = lean_route(
-    handle_infer, render=v2_error_response, validation=protocol_validation(400)
+    handle_infer, render=v2_error_response, validation=protocol_validation(SCHEMA_STATUS)
 )
+INFER_ERRORS = {
+    **ERRORS,
+    415: {"model": V2Error, "description": "Body declared as neither JSON nor binary data"},
+}
 
 
 # The OpenAPI entries of the v2 infer paths; ``handle_infer`` serves them (``server/lean``).
@@ -172,20 +200,26 @@ async def model_infer(request: Request, name: str) -> Response:
 # NOTE: the version path first: {name:path} would take "m/versions/1" as a model name.
 router.add_api_route(
     "/v2/models/{name:path}/versions/{version}/infer", model_version_infer, methods=["POST"],
-    response_model=InferenceResponse, responses=ERRORS, openapi_extra=REQUEST_BODY,
+    response_model=InferenceResponse, responses=INFER_ERRORS, openapi_extra=REQUEST_BODY,
     summary="Infer with a model version", route_class_override=_LEAN_ROUTE,
 )  # fmt: skip
 router.add_api_route(
     "/v2/models/{name:path}/infer", model_infer, methods=["POST"],
-    response_model=InferenceResponse, responses=ERRORS, openapi_extra=REQUEST_BODY,
+    response_model=InferenceResponse, responses=INFER_ERRORS, openapi_extra=REQUEST_BODY,
     summary="Infer", route_class_override=_LEAN_ROUTE,
 )  # fmt: skip
 
 
+_INFER_BODY = TypeAdapter(InferenceRequest)
+
+
 async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
+    runtime = runtime_of(request)
+    if runtime.draining:  # first: Nginx retries a 503 draining on another replica
+        raise draining()
     slot = _slot(request, name, version)
     info = slot.info
-    if not runtime_of(request).ready:
+    if not runtime.ready:
         raise not_ready()
     if info.task not in ("embed", "classify"):
         raise ApiError(
@@ -193,22 +227,26 @@ async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
             f"{slot.name} is a {info.task} model; rerankers answer POST /v1/rerank",
         )  # fmt: skip
     raw = await read_body(request.receive)
+    require_json_media_type(request.headers.get("content-type"), BINARY_MEDIA_TYPE)
     body, binary = _split_body(raw, request.headers.get(HEADER_LENGTH))
-    try:
-        infer_request = InferenceRequest.model_validate_json(body)
-    except ValidationError as exc:
-        raise ApiError(400, "invalid_request", describe_pydantic(exc)) from None
+    # Strict, as /v1/infer's body: true is no dimension of a shape.
+    infer_request = parse_body(_INFER_BODY, body, strict=True)
     texts = _texts(infer_request, binary)
-    check_inputs(runtime_of(request), texts, field="input 'text'")
+    check_inputs(runtime, texts, field="input 'text'", schema_status=SCHEMA_STATUS)
     parameters = infer_request.parameters or {}
     truncate = parameters.get("truncate", True)
     timeout_s = parameters.get("timeout_s")
     if not isinstance(truncate, bool):
         raise ApiError(400, "invalid_request", "parameter truncate must be a boolean")
     if timeout_s is not None and (
-        not isinstance(timeout_s, int | float) or not math.isfinite(timeout_s) or timeout_s <= 0
+        isinstance(timeout_s, bool)  # an int to Python, not a number of seconds
+        or not isinstance(timeout_s, int | float)
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
     ):
         raise ApiError(400, "invalid_request", "parameter timeout_s must be a positive number")
+    if not isinstance(parameters.get("binary_data_output", False), bool):
+        raise ApiError(400, "invalid_request", "parameter binary_data_output must be a boolean")
     truncation_direction = parameters.get("truncation_direction")
     if truncation_direction not in (None, "right", "left"):
         raise ApiError(
@@ -218,11 +256,16 @@ async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
     for key, value in (("prompt_name", prompt_name), ("prompt", prompt)):
         if value is not None and not isinstance(value, str):
             raise ApiError(400, "invalid_request", f"parameter {key} must be a string")
+    check_prompt(prompt_name, prompt, schema_status=SCHEMA_STATUS)
     known = [tensor["name"] for tensor in _outputs_of(info)]
     for output in infer_request.outputs or []:
         if output.name not in known:
             raise ApiError(
                 400, "invalid_request", f"unknown output {output.name!r}; this model has {known}"
+            )
+        if not isinstance((output.parameters or {}).get("binary_data", False), bool):
+            raise ApiError(
+                400, "invalid_request", f"output {output.name!r}: binary_data must be a boolean"
             )
     outputs, _ = await infer_for_request(
         request, texts, request_id=request_id_of(request), truncate=truncate,
@@ -258,7 +301,7 @@ def _texts(request: InferenceRequest, binary: bytes) -> list[str]:
     count = math.prod(tensor.shape)
     binary_size = (tensor.parameters or {}).get("binary_data_size")
     if binary_size is not None:
-        if not isinstance(binary_size, int) or binary_size != len(binary):
+        if type(binary_size) is not int or binary_size != len(binary):
             raise ApiError(400, "invalid_request", "binary_data_size does not match the body")
         elements = _decode_binary_bytes(binary)
     elif tensor.data is None:

@@ -12,28 +12,39 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
 from models import UnknownPrompt
 
-from ..errors import ApiError, request_id_of
+from ..errors import ApiError, draining, request_id_of
 from ..inference import (
     check_dimensions,
     check_inputs,
+    check_prompt,
     infer_for_request,
     runtime_of,
     slot_for_task,
 )
-from ..lean import JsonAnswer, encode_json, is_json_media_type, lean_route, parse_body, read_body
-from .routes import protocol_route, protocol_validation, retry_headers
+from ..lean import (
+    JsonAnswer,
+    encode_json,
+    lean_route,
+    parse_body,
+    read_body,
+    require_json_media_type,
+)
+from .routes import describe, protocol_route, retry_headers
 
-OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error"}
+# Schema errors are 400 here, as OpenAI answers them.
+SCHEMA_STATUS = 400
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict, as /v1/infer's body: true is no number of dimensions, nor "5".
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     input: str | list[str] | list[int] | list[list[int]] = Field(
         description="One text or a list of texts (token-id arrays are refused with 400)."
@@ -95,7 +106,9 @@ def openai_error_response(request: Request, error: ApiError, param: str | None =
     elif error.status == 429:
         kind = "rate_limit_error"
     else:
-        kind = OPENAI_ERROR_TYPES.get(error.status, "invalid_request_error")
+        # NOTE: 401 too, as OpenAI answers a wrong key (its client picks the exception,
+        # AuthenticationError, by the status).
+        kind = "invalid_request_error"
     body = {
         "error": {
             "message": error.message,
@@ -113,9 +126,24 @@ def openai_error_response(request: Request, error: ApiError, param: str | None =
 
 
 class ParamError(ApiError):
-    def __init__(self, status: int, error_type: str, message: str, param: str) -> None:
+    def __init__(self, status: int, error_type: str, message: str, param: str | None) -> None:
         super().__init__(status, error_type, message)
         self.param = param
+
+
+def openai_validation(exc: RequestValidationError) -> ParamError:
+    """A schema error: 400 ``invalid_request``, ``param`` the field at fault where it is
+    one of the body's (an unknown field is no parameter of the API)."""
+    errors = exc.errors()
+    fields = {
+        error["loc"][1]
+        for error in errors
+        if len(error.get("loc", ())) > 1 and error["loc"][0] == "body"
+    }
+    param = fields.pop() if len(fields) == 1 else None
+    if param not in EmbeddingRequest.model_fields:
+        param = None
+    return ParamError(SCHEMA_STATUS, "invalid_request", describe(errors), param)
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -123,8 +151,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     for code, description in {
         400: "Bad request: unparsable body, schema error, empty input, dimensions out of "
         "range, an unknown prompt name, token ids",
+        401: "Missing or wrong API key (when the server requires one)",
         404: "No model of that name is served (model_not_found)",
         413: "Body, input count or input length too large",
+        415: "Body declared as something other than JSON",
         429: "Queue full; see Retry-After",
         503: "Not ready or draining; see Retry-After",
         504: "Deadline passed",
@@ -134,7 +164,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 router = APIRouter(
-    tags=["OpenAI"], route_class=protocol_route(openai_error_response, validation_status=400)
+    tags=["OpenAI"],
+    route_class=protocol_route(openai_error_response, validation_status=SCHEMA_STATUS),
 )
 
 
@@ -144,9 +175,11 @@ _EMBEDDING_BODY = TypeAdapter(EmbeddingRequest)
 async def handle_embeddings(request: Request) -> ASGIApp:
     """``POST /v1/embeddings`` on the lean path (``server/lean``)."""
     raw = await read_body(request.receive)
-    declared_json = is_json_media_type(request.headers.get("content-type"))
-    body = parse_body(_EMBEDDING_BODY, raw, declared_json=declared_json)
     runtime = runtime_of(request)
+    if runtime.draining:  # at once, as /v1/infer: Nginx retries it on another replica
+        raise draining()
+    require_json_media_type(request.headers.get("content-type"))
+    body = parse_body(_EMBEDDING_BODY, raw)
     try:
         slot = slot_for_task(request, body.model, ("embed",), "/v1/embeddings")
     except ApiError as exc:
@@ -162,7 +195,8 @@ async def handle_embeddings(request: Request) -> ASGIApp:
         raise ParamError(
             400, "unsupported_input", "token-id arrays are not supported; send text", "input"
         )
-    check_inputs(runtime, inputs, field="input")
+    check_inputs(runtime, inputs, field="input", schema_status=SCHEMA_STATUS)
+    check_prompt(body.prompt_name, body.prompt, schema_status=SCHEMA_STATUS)
     try:
         outputs, num_tokens = await infer_for_request(
             request, inputs, request_id=request_id_of(request), model=slot.name,
@@ -206,6 +240,6 @@ router.add_api_route(
     responses=ERROR_RESPONSES,
     summary="Create embeddings (OpenAI-compatible)",
     route_class_override=lean_route(
-        handle_embeddings, render=openai_error_response, validation=protocol_validation(400)
+        handle_embeddings, render=openai_error_response, validation=openai_validation
     ),
 )

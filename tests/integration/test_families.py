@@ -186,7 +186,7 @@ def test_the_model_card_shows_pooling_normalisation_prompts_and_dimensions(clien
         ("/v1/infer", {"model": "bert-cls", "top_k": 2}, 400, "unsupported_parameter",
          "classifiers"),
         ("/v1/infer", {"model": "multi-label", "top_k": 0}, 422, "invalid_top_k", "at least 1"),
-        ("/v1/infer", {"model": "bert-prompts", "prompt_name": "query", "prompt": "x"}, 400,
+        ("/v1/infer", {"model": "bert-prompts", "prompt_name": "query", "prompt": "x"}, 422,
          "invalid_request", "not both"),
     ],
 )  # fmt: skip
