@@ -236,7 +236,9 @@ async def test_effective_deadline_is_the_smaller_ask_capped(registry, body, head
                 while not runtime.queue.waiting():
                     await asyncio.sleep(0.005)
             (queued,) = runtime.queue.waiting()
-            assert queued.deadline_s - queued.arrival_s == pytest.approx(deadline_s)
+            # The deadline counts from the request's arrival, the item's arrival_s from its
+            # queueing: tokenizing lies between (microseconds here; the bound is a guard).
+            assert queued.deadline_s - queued.arrival_s == pytest.approx(deadline_s, abs=0.1)
         finally:
             gate.set()
         assert (await blocker).status_code == 200

@@ -4,7 +4,8 @@ use as they use the real one, with the queue, batcher and model in the engine pr
 Inputs are tokenized here (inline, or on a tokenizer thread past the engine's measured
 limit) and sent as items; the answer's future ends on the engine's result or error, the
 deadline (with a grace for the engine's own answer), the client going away, or the engine
-process going away (503 ``engine_unavailable`` at once: its end of our stdin closes).
+process going away (503 ``engine_unavailable`` at once: its end of our stdin closes). The
+deadline counts from the request's arrival here: the engine is given what is left of it.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from prometheus_client import CollectorRegistry
 from batching import ModelThread
 from models import ModelInfo, ProfileStatus
 
-from ..errors import ApiError, draining, model_not_found, not_ready
+from ..errors import ApiError, deadline_exceeded, draining, model_not_found, not_ready
 from ..heap import freeze_startup_heap
 from ..metrics import ServerMetrics
 from ..runtime import ClientDisconnected, ClientWatch, RequestTrace
+from ..runtime.requests import tokenize_on
 from ..runtime.slot import prepare_call, tokenize_inline
 from ..settings import Settings
 from . import wire
@@ -41,6 +43,14 @@ ENGINE_SILENCE_S = 5.0
 """The engine says its state every 0.2 s (``host.STATE_INTERVAL_S``); silent this long once
 its models have come, it is hung (stopped, or its event loop stuck), and /health/live says
 so: this process answers on, so its own liveness says nothing about the engine's."""
+ENGINE_FRESH_S = 1.0
+"""Ready only while the engine was heard from this recently (five of its state messages):
+its last word says ready, but an engine stopped or stuck since would leave new requests to
+wait out their deadline (and the grace) here, long before ``ENGINE_SILENCE_S`` calls it
+hung. Not ready is what load balancers act on by taking this replica out."""
+
+
+_ENGINE_LATE = "the engine did not answer in time"
 
 
 def engine_gone() -> ApiError:
@@ -90,7 +100,9 @@ class RemoteRuntime:
         index: int,
         stdin_fd: int,
         on_exit: Callable[[int], None],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: seconds on the loop's time base (tests pass a fake one)."""
         self.settings = settings
         self.config = settings.server_config()
         self.registry = registry
@@ -104,6 +116,7 @@ class RemoteRuntime:
         self._index = index
         self._stdin_fd = stdin_fd
         self._on_exit = on_exit
+        self._clock = clock
         self._engine_ready = False
         self._engine_draining = False
         self._stopping = False
@@ -121,7 +134,11 @@ class RemoteRuntime:
 
     @property
     def ready(self) -> bool:
-        return bool(self.slots) and self._engine_ready and not self.draining
+        heard = self._heard_s
+        return (
+            bool(self.slots) and self._engine_ready and not self.draining
+            and heard is not None and self._clock() - heard < ENGINE_FRESH_S
+        )  # fmt: skip
 
     def liveness_problem(self) -> ApiError | None:
         """As ``Runtime.liveness_problem``: the engine's (its model thread hung), or an engine
@@ -132,7 +149,7 @@ class RemoteRuntime:
             return None
         if self._hung is not None:
             return ApiError(503, "model_hung", self._hung, retry_after_s=1)
-        silent_s = time.monotonic() - heard
+        silent_s = self._clock() - heard
         if silent_s < ENGINE_SILENCE_S:
             return None
         return ApiError(
@@ -244,7 +261,7 @@ class RemoteRuntime:
         elif kind == wire.STATE:
             self._engine_ready, self._engine_draining, self.queue.depth, self._hung = header
             if self.slots:  # its silence is judged once the engine has loaded its models
-                self._heard_s = time.monotonic()
+                self._heard_s = self._clock()
             if self._heard is not None:
                 self._heard.set()
         elif kind == wire.MODELS:
@@ -282,23 +299,29 @@ class RemoteRuntime:
         loop = asyncio.get_running_loop()
         number = next(self._numbers)
         future = self._pending[number] = loop.create_future()
+        sent = False
 
         def client_gone() -> None:
             if not future.done():
                 future.set_exception(ClientDisconnected())
-                self._send(wire.CANCEL, (number,))
+                if sent:  # the engine ignores a CANCEL for a number it has not seen
+                    self._send(wire.CANCEL, (number,))
 
         def too_late() -> None:
             if not future.done():
-                future.set_exception(
-                    ApiError(504, "deadline_exceeded", "the engine did not answer in time")
-                )
+                future.set_exception(ApiError(504, "deadline_exceeded", _ENGINE_LATE))
                 self._send(wire.CANCEL, (number,))
 
         timer = loop.call_later(timeout_s, too_late)
+        # NOTE: a client already gone (it left while its inputs were tokenized) ends the
+        # future here, at once, and the engine hears nothing of the request. Only a request
+        # sent is cancelled: the engine ignores a CANCEL for a number it has not seen, and
+        # an INFER after it would run every input for nobody.
         unsubscribe = client.subscribe(client_gone) if client is not None else None
         try:
-            self._send(kind, (number, *header), *frames)
+            if not future.done():
+                self._send(kind, (number, *header), *frames)
+                sent = True
             return await future
         finally:
             timer.cancel()
@@ -338,6 +361,7 @@ class RemoteRuntime:
         """As ``Runtime.infer``: tokenized here (``truncation_direction`` applies here);
         looked up in the output cache, queued and run in the engine, which also cuts to
         ``dimensions``."""
+        arrival_s = self._clock()  # the deadline counts from here, tokenizing included
         if self.engine_lost:
             raise engine_gone()
         if self.draining:
@@ -355,13 +379,29 @@ class RemoteRuntime:
                                  alone=not self._inferring)  # fmt: skip
         self._inferring += 1
         try:
-            items = prepare() if inline else await self._tokenizer.call(prepare)
+            if inline:
+                items = prepare()
+            else:
+                items = await tokenize_on(
+                    self._tokenizer, prepare, remaining_s=arrival_s + timeout_s - self._clock(),
+                    timeout_s=timeout_s,
+                )  # fmt: skip
             trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
-            header, frames = await self._call(
-                wire.INFER, (slot.name, timeout_s, priority, request_id, dimensions),
-                wire.dumps(items),
-                timeout_s=timeout_s + DEADLINE_GRACE_S, client=client,
-            )  # fmt: skip
+            # The engine counts the deadline from its own arrival: it is given what is left.
+            left_s = arrival_s + timeout_s - self._clock()
+            if left_s <= 0:  # it waited its whole deadline to be tokenized: never sent
+                raise deadline_exceeded(timeout_s)
+            try:
+                header, frames = await self._call(
+                    wire.INFER, (slot.name, left_s, priority, request_id, dimensions),
+                    wire.dumps(items),
+                    timeout_s=left_s + DEADLINE_GRACE_S, client=client,
+                )  # fmt: skip
+            except ApiError as error:
+                # The engine's 504 names the deadline it was given; the client's is timeout_s.
+                if error.error_type == "deadline_exceeded" and error.message != _ENGINE_LATE:
+                    raise deadline_exceeded(timeout_s) from None
+                raise
         finally:
             self._inferring -= 1
         _, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits = header

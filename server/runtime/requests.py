@@ -1,7 +1,11 @@
 """One request's way through the replica, from its inputs to its outputs: tokenized (inline or
 on the tokenizer thread), answered from the output cache or joined to an equal input in
 flight, queued, and awaited until every input has its answer, its deadline passes or its
-client goes away. The batcher, on the other side of the queue, runs what is queued."""
+client goes away. The batcher, on the other side of the queue, runs what is queued.
+
+A request's deadline counts from its arrival, before it is tokenized: a burst of large
+requests holds the one tokenizer thread, and a request behind them must not get that wait
+for free on top of its ``timeout_s``."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from ..errors import deadline_exceeded
 from .slot import ModelSlot, prepare_call, tokenize_inline
 from .trace import RequestTrace
 from .tracking import WorkTracker
-from .waiting import ClientDisconnected, ClientWatch, RequestWait
+from .waiting import ClientWatch, RequestWait
 
 
 class RequestPath:
@@ -42,7 +46,11 @@ class RequestPath:
         client: ClientWatch | None, prompt: str | None = None,
         truncation_direction: str | None = None, dimensions: int | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
-        """Tokenize ``inputs`` for ``slot``'s model, then as ``answer``."""
+        """Tokenize ``inputs`` for ``slot``'s model, then as ``answer``; the deadline counts
+        from now, the wait for the tokenizer thread included."""
+        # NOTE: this clock read is all that counting from the arrival costs the lone
+        # request's inline path: no timer, task or allocation of its own.
+        arrival_s = self._clock.now()
         assert slot.model is not None
         prepare = prepare_call(
             slot.model, inputs, name=slot.name, truncate=truncate, query=query, prompt=prompt,
@@ -52,23 +60,28 @@ class RequestPath:
         if tokenize_inline(slot, inputs, query=query, prompt=prompt, alone=alone):
             items = prepare()
         else:
-            items = await self._tokenizer_thread.call(prepare)
+            remaining_s = arrival_s + timeout_s - self._clock.now()
+            items = await tokenize_on(self._tokenizer_thread, prepare, remaining_s=remaining_s,
+                                      timeout_s=timeout_s)  # fmt: skip
         return await self.answer(
             slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
-            trace=trace, client=client, dimensions=dimensions,
+            trace=trace, client=client, dimensions=dimensions, arrival_s=arrival_s,
         )  # fmt: skip
 
     async def answer(
         self, slot: ModelSlot, items: Sequence[Item], *, timeout_s: float, request_id: str,
         priority: int, trace: RequestTrace, client: ClientWatch | None,
-        dimensions: int | None,
+        dimensions: int | None, arrival_s: float | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         """Every one of ``items``' outputs, in order, and their tokens: from the cache, from
-        an equal input in flight, or queued here."""
+        an equal input in flight, or queued here. The deadline is ``timeout_s`` after
+        ``arrival_s`` (None: now); already past, the request ends 504 before it is queued."""
         loop = asyncio.get_running_loop()
         trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
         now = self._clock.now()
-        deadline = now + timeout_s
+        deadline = (now if arrival_s is None else arrival_s) + timeout_s
+        if now >= deadline:  # it waited its whole deadline to be tokenized
+            raise deadline_exceeded(timeout_s)
         name = slot.name
 
         def make_pending(item: Any, index: int) -> Pending:
@@ -90,26 +103,44 @@ class RequestPath:
         # NOTE: the wait is set up before the items are queued: the batcher wakes only once
         # this task yields, and a lone request's batch would otherwise start that much later.
         wait = RequestWait(
-            loop, futures, timeout_s=timeout_s, client=client,
+            loop, futures, timeout_s=deadline - now, client=client,
             deadline_error=functools.partial(deadline_exceeded, timeout_s),
         )  # fmt: skip
-        disconnected = False
         try:
             if admission.queued:
                 self._queue.put_many(admission.queued)
                 self._work.track(admission.queued)
             await wait.future
-        except ClientDisconnected:
-            disconnected = True
-            raise
         finally:
             wait.close()
             trace.record(admission.pendings)
-            # Computations no other request waits for leave the queue and never run.
+            # Computations no other request waits for leave the queue and never run: the
+            # client went away, the deadline passed, or another input of the request failed.
             left = self._queue.discard(self._inputs.release(admission))
-            if disconnected:
+            if left:
                 self._metrics.cancelled.labels("queued").inc(left)
         return [future.result() for future in futures], trace.tokens
+
+
+async def tokenize_on(
+    thread: ModelThread, prepare: Callable[[], list[Item]], *, remaining_s: float,
+    timeout_s: float,
+) -> list[Item]:  # fmt: skip
+    """``prepare()``'s items, run on ``thread`` (the tokenizer's), awaited at most
+    ``remaining_s``: the request's deadline (of ``timeout_s``) ends its wait for its turn
+    there too, with 504 ``deadline_exceeded``. A job still queued then is skipped; one
+    already running finishes and its items are dropped."""
+    if remaining_s <= 0:
+        raise deadline_exceeded(timeout_s)
+    # NOTE: asyncio.timeout, not wait_for: wait_for wraps the wait in a task of its own.
+    scope = asyncio.timeout(remaining_s)
+    try:
+        async with scope:
+            return await thread.call(prepare)
+    except TimeoutError:
+        if scope.expired():
+            raise deadline_exceeded(timeout_s) from None
+        raise  # the tokenizer's own
 
 
 def _finisher(dimensions: int | None, normalize: bool) -> Callable[[Any], Any] | None:
