@@ -17,7 +17,7 @@ from models import BUNDLED_MODEL, ModelError
 
 from .job import JobError, JobSpec, run_job
 from .manifest import ManifestMismatch
-from .pipeline import StrictReject
+from .pipeline import PartWriteError, StrictReject
 from .progress import BarAwareHandler, Progress
 from .readers import FORMATS, ReaderError
 
@@ -87,7 +87,8 @@ def add_bulk_flags(parser: argparse.ArgumentParser, task: str) -> None:
         "--max-input-tokens",
         type=int,
         default=None,
-        help="Truncation length; defaults to the model's own maximum.",
+        help="Truncation length, at least 2; defaults to the model's own maximum, and a "
+        "larger value is lowered to it (with a warning).",
     )
     add(
         "--prompt-name",
@@ -249,7 +250,7 @@ def bulk_main(args: argparse.Namespace, *, own_process: bool = False) -> int:
     except (JobError, ManifestMismatch, ReaderError, ModelError) as exc:
         print(f"{command}: {exc}", file=sys.stderr)
         return 2
-    except StrictReject as exc:
+    except (StrictReject, PartWriteError) as exc:
         print(f"{command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -52,6 +52,9 @@ EXIT_HUNG = 3
 """The exit status of a job ended by a hung forward pass (``forward_timeout_s``)."""
 HUNG_WRITE_S = 60.0
 """How long a hung job waits for the parts already computed to be written before it ends."""
+MIN_INPUT_TOKENS = 2
+"""The shortest truncation length (``--max-input-tokens``), as ``batchfit serve`` allows:
+a model's two special tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +88,23 @@ class JobSpec:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise JobError(f"unknown task {self.task!r}; expected one of {', '.join(TASKS)}")
-        if self.part_rows < 1:
-            raise JobError(f"--part-rows must be at least 1, got {self.part_rows}")
+        for flag, value, least in (
+            ("--part-rows", self.part_rows, 1),
+            ("--max-batch-size", self.max_batch_size, 1),
+            ("--max-batch-tokens", self.max_batch_tokens, 1),
+            ("--num-threads", self.num_threads, 1),
+            ("--max-input-tokens", self.max_input_tokens, MIN_INPUT_TOKENS),
+            ("--dimensions", self.dimensions, 1),
+            ("--memory-limit", self.memory_limit, 1),
+        ):
+            if value is not None and value < least:
+                raise JobError(f"{flag} must be at least {least}, got {value}")
         if self.dimensions is not None and self.task != "embed":
             raise JobError("--dimensions applies to embeddings only")
+        if not 0 <= self.memory_headroom < 1:
+            raise JobError(
+                f"--memory-headroom must be from 0 to less than 1, got {self.memory_headroom}"
+            )
         if not self.forward_timeout_s >= 0:
             raise JobError(f"--forward-timeout-s must be 0 or more, got {self.forward_timeout_s}")
 
@@ -145,9 +161,10 @@ def run_job(
     (``_end_hung_job``): nothing else can end the thread it holds."""
     started = time.perf_counter()
     progress = progress or Progress()
-    files = expand_inputs(spec.inputs, spec.input_format)
+    files = expand_inputs(spec.inputs, spec.input_format, exclude=spec.out)
     fields = spec.fields()
     check_fields(files, fields)
+    _make_folder(Path(spec.out))  # before the model loads: a bad --out fails at once
     counter = Worker("batchfit-count", lambda: progress.set_total(count_rows(files)))
     counter.start()
     # Hashing the model's files (hundreds of MB) overlaps loading them; hashlib lets go of
@@ -161,13 +178,21 @@ def run_job(
         freeze_loaded_heap()
     info = model.info
     check_task(model, spec.task)
+    if spec.max_input_tokens is not None and spec.max_input_tokens > info.max_input_tokens:
+        log.warning(
+            "--max-input-tokens %d is above the most model %r takes; inputs are truncated at "
+            "its maximum, %d tokens", spec.max_input_tokens, info.name, info.max_input_tokens,
+        )  # fmt: skip
     dimensions = output_dimensions(model, spec)
     prompt = resolve_prompt(info, spec.prompt_name, None)
     hasher.join()
     _raise_from(hasher)
     identity = job_identity(spec, model, dimensions, prompt, fingerprint[0])
     inputs = [dataclasses.asdict(f) for f in files]
-    manifest = Manifest.open(Path(spec.out), identity, inputs, overwrite=spec.overwrite)
+    try:
+        manifest = Manifest.open(Path(spec.out), identity, inputs, overwrite=spec.overwrite)
+    except OSError as exc:
+        raise JobError(f"--out {spec.out}: {_reason(exc)}") from None
     stop, go = threading.Event(), threading.Event()
     runner: Runner | None = None
     try:
@@ -351,6 +376,20 @@ def _end_hung_job(
         "to resume", file=sys.stderr, flush=True,
     )  # fmt: skip
     os._exit(EXIT_HUNG)
+
+
+def _make_folder(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise JobError(f"--out {out} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise JobError(f"--out {out}: cannot make the folder: {_reason(exc)}") from None
+
+
+def _reason(exc: OSError) -> str:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
 
 
 def _raise_from(worker: Worker) -> None:

@@ -34,6 +34,11 @@ WRITER_BYTES_PER_OUTPUT = 3 * 4 * 1024
 END = object()
 
 
+class PartWriteError(Exception):
+    """A finished part could not be written: its table, its file, its bad rows or its
+    manifest entry (a full disk, a value its column cannot hold)."""
+
+
 class StrictReject(Exception):
     """A bad row under ``--strict``."""
 
@@ -203,14 +208,31 @@ class PartWriter:
 
     def _write(self, output: PartOutput) -> None:
         with self._reserve.busy("writer", WRITER_BYTES_PER_OUTPUT * len(output.ids)):
-            self._write_part(output)
+            try:
+                self._write_part(output)
+            except Exception as exc:
+                # One line for the command line; the traceback only in a debug log.
+                part = output.part
+                log.debug("part %d could not be written", part.index, exc_info=True)
+                raise PartWriteError(
+                    f"part {part.index} (rows {part.first_row}-"
+                    f"{part.first_row + part.num_rows - 1}) could not be written: "
+                    f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+                ) from exc
 
     def _write_part(self, output: PartOutput) -> None:
         part = output.part
         directory = self._manifest.directory
-        written = write_atomically(
-            directory, part_name(part.index), parquet_bytes(self._make_table(output))
-        )
+        file: str | None = None
+        size_bytes, sha256 = 0, None
+        # NOTE: a part without outputs (every row rejected) writes no file, only its manifest
+        # entry: its id column's type would be a guess before any good row fixed it, and an
+        # int64 guess beside later parts' string ids made the parts unreadable as one table.
+        if output.ids:
+            written = write_atomically(
+                directory, part_name(part.index), parquet_bytes(self._make_table(output))
+            )
+            file, size_bytes, sha256 = written.name, written.size_bytes, written.sha256
         rejects_bytes = append_rejects(
             Path(directory) / REJECTS, [r.record() for r in output.rejects]
         )
@@ -218,16 +240,15 @@ class PartWriter:
             self._manifest.id_type = part.id_type
         self._manifest.record(
             PartRecord(
-                index=part.index, file=written.name, first_row=part.first_row,
-                rows=part.num_rows, outputs=len(output.ids), rejects=len(output.rejects),
-                input_sha256=part.digest, size_bytes=written.size_bytes, sha256=written.sha256,
-                rejects_bytes=rejects_bytes,
+                index=part.index, file=file, first_row=part.first_row, rows=part.num_rows,
+                outputs=len(output.ids), rejects=len(output.rejects), input_sha256=part.digest,
+                size_bytes=size_bytes, sha256=sha256, rejects_bytes=rejects_bytes,
             )
         )  # fmt: skip
         self.written += 1
         log.info(
             "part %d written: %s, %d outputs, %d rejects (rows %d-%d)",
-            part.index, written.name, len(output.ids), len(output.rejects),
+            part.index, file or "no file", len(output.ids), len(output.rejects),
             part.first_row, part.first_row + part.num_rows - 1,
         )  # fmt: skip
 

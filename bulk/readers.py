@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import glob
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,13 @@ _BY_SUFFIX = {
     ".txt": "text", ".text": "text",
 }  # fmt: skip
 PARQUET_BATCH_ROWS = 4096
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The ids a part's int64 column can hold."""
+# Python's csv module refuses a field over 128 KiB by default, where JSON Lines and text
+# inputs are truncated at --max-input-tokens: a long CSV passage is truncated the same way.
+# The limit is the process's (every thread's reader shares it), so it is raised once, never
+# set and restored around one reader; 2**31 - 1 is the largest a C long holds everywhere.
+CSV_FIELD_LIMIT = 2**31 - 1
 
 
 class ReaderError(Exception):
@@ -75,17 +82,29 @@ class InputFile:
     size_bytes: int
 
 
-def expand_inputs(patterns: Sequence[str], input_format: str | None = None) -> list[InputFile]:
+def expand_inputs(
+    patterns: Sequence[str], input_format: str | None = None, *, exclude: str | None = None
+) -> list[InputFile]:
     """Files named or matched by ``patterns`` (globs, ``**`` included), each glob's matches
-    sorted, in the order given; each file's format from ``input_format`` or its suffix."""
+    sorted, in the order given; each file's format from ``input_format`` or its suffix.
+    ``exclude``: a folder (the job's ``--out``) whose files no glob matches: a glob that
+    covers it would otherwise take the job's own ``rejects.jsonl`` and ``manifest.json`` for
+    inputs on the rerun, and refuse to resume because the inputs changed."""
     if input_format is not None and input_format not in FORMATS:
         raise ReaderError(f"unknown input format {input_format!r}; expected one of {FORMATS}")
+    excluded = Path(exclude).resolve() if exclude is not None else None
     files: list[InputFile] = []
     for pattern in patterns:
         if glob.has_magic(pattern):
-            matches = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+            matches = sorted(
+                p
+                for p in glob.glob(pattern, recursive=True)
+                if Path(p).is_file()
+                and (excluded is None or not Path(p).resolve().is_relative_to(excluded))
+            )
             if not matches:
-                raise ReaderError(f"no file matches {pattern!r}")
+                outside = "" if excluded is None else f" outside {exclude}"
+                raise ReaderError(f"no file{outside} matches {pattern!r}")
         else:
             if not Path(pattern).is_file():
                 raise ReaderError(f"no such file: {pattern}")
@@ -132,9 +151,7 @@ def count_rows(files: Sequence[InputFile]) -> int:
     total = 0
     for file in files:
         if file.format == "parquet":
-            import pyarrow.parquet as pq
-
-            total += pq.ParquetFile(file.path).metadata.num_rows
+            total += _parquet_file(file.path).metadata.num_rows
         else:
             total += max(0, _count_lines(file.path) - (file.format in ("csv", "tsv")))
     return total
@@ -158,6 +175,8 @@ def row_problem(values: dict[str, Any], fields: Fields) -> str | None:
         if name == fields.id:
             if isinstance(value, bool) or not isinstance(value, (str, int)):
                 return f"id field {name!r} is neither a string nor an integer"
+            if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+                return f"id {value} in field {name!r} is outside the 64-bit integer range"
             if value == "":
                 return f"empty id in field {name!r}"
         elif not isinstance(value, str):
@@ -178,7 +197,7 @@ def _records(file: InputFile, fields: Fields) -> Iterator[Record]:
         return _text(file.path, fields)
     if file.format == "parquet":
         return _parquet(file.path, fields)
-    return _csv(file.path, fields, delimiter="\t" if file.format == "tsv" else ",")
+    return _csv(file.path, fields, file.format)
 
 
 def _lines(path: str) -> Iterator[tuple[int, bytes]]:
@@ -215,45 +234,61 @@ def _text(path: str, fields: Fields) -> Iterator[Record]:
         yield number, {fields.text: text}, None
 
 
-def _csv(path: str, fields: Fields, *, delimiter: str) -> Iterator[Record]:
-    undecodable: list[tuple[int, str]] = []
+def _csv(path: str, fields: Fields, input_format: str) -> Iterator[Record]:
     start: int | None = None  # the first line of the record being read
+    undecodable: str | None = None  # why the record being read cannot be used, if it cannot
 
     def decoded() -> Iterator[str]:
-        nonlocal start
+        nonlocal start, undecodable
         for number, raw in _lines(path):
+            if start is None:
+                start = number
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                undecodable.append((number, f"undecodable line: {exc}"))
-                continue
-            if start is None:
-                start = number
+                # NOTE: the line still goes to the parser (its bad bytes replaced, which never
+                # makes a quote, a separator or a newline), so that a bad line inside a quoted
+                # field stays inside its record: dropped, it once cut the record short and
+                # moved every later row number. The whole record is rejected instead.
+                if undecodable is None:
+                    where = "" if number == start else f" {number}"
+                    undecodable = f"undecodable line{where}: {exc}"
+                text = raw.decode("utf-8", errors="replace")
             yield text + "\n"
 
     # NOTE: csv.reader pulls one line at a time and never reads ahead of the record it
     # returns, so ``start`` is the line its record began on.
-    reader = csv.reader(decoded(), delimiter=delimiter)
+    reader = _csv_reader(decoded(), input_format)
     header = next(reader, None)
     if header is None:
         return
     _check_columns(path, fields, header)
     while True:
-        start = None
+        start, undecodable = None, None
         try:
             record = next(reader)
         except StopIteration:
             break
         except csv.Error as exc:
-            yield from _drain(undecodable)
             yield start or 0, {}, f"undecodable line: {exc}"
             continue
-        yield from _drain(undecodable)
-        if not record:
+        if undecodable is not None:
+            yield start or 0, {}, undecodable
+        elif not record:
             yield start or 0, {}, "empty line"
         else:
             yield start or 0, dict(zip(header, record, strict=False)), None
-    yield from _drain(undecodable)
+
+
+def _csv_reader(lines: Iterable[str], input_format: str) -> Iterator[list[str]]:
+    if csv.field_size_limit() < CSV_FIELD_LIMIT:
+        csv.field_size_limit(CSV_FIELD_LIMIT)
+    if input_format == "tsv":
+        # TSV has no quoting convention: a field is everything between two tabs, quotes
+        # included, and cannot hold a tab or a newline. With CSV's quoting, a passage that
+        # began with a quote swallowed the rows after it, and quotes were dropped from text.
+        return csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE)
+    return csv.reader(lines)
 
 
 def _check_columns(path: str, fields: Fields, columns: Sequence[str]) -> None:
@@ -263,22 +298,34 @@ def _check_columns(path: str, fields: Fields, columns: Sequence[str]) -> None:
         raise ReaderError(f"{path} has no column {missing[0]!r} (its columns: {listed})")
 
 
-def _drain(undecodable: list[tuple[int, str]]) -> Iterator[Record]:
-    for number, reason in undecodable:
-        yield number, {}, reason
-    undecodable.clear()
-
-
 def _parquet(path: str, fields: Fields) -> Iterator[Record]:
-    import pyarrow.parquet as pq
+    import pyarrow as pa
 
-    parquet = pq.ParquetFile(path)
+    parquet = _parquet_file(path)
     _check_columns(path, fields, parquet.schema_arrow.names)
     number = 0
-    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=fields.names()):
+    batches = parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=fields.names())
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as exc:
+            raise ReaderError(f"{path}: cannot read the rows after row {number}: {exc}") from None
+        if batch is None:
+            return
         for values in batch.to_pylist():
             number += 1
             yield number, values, None
+
+
+def _parquet_file(path: str) -> Any:
+    """``path`` opened as Parquet; a file that is not one is a ``ReaderError`` naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ReaderError(f"{path} is not a readable Parquet file: {exc}") from None
 
 
 def check_fields(files: Sequence[InputFile], fields: Fields) -> None:
@@ -286,12 +333,10 @@ def check_fields(files: Sequence[InputFile], fields: Fields) -> None:
     and fields on plain text (which has none)."""
     for file in files:
         if file.format == "parquet":
-            import pyarrow.parquet as pq
-
-            _check_columns(file.path, fields, pq.ParquetFile(file.path).schema_arrow.names)
+            _check_columns(file.path, fields, _parquet_file(file.path).schema_arrow.names)
         elif file.format in ("csv", "tsv"):
             with open(file.path, encoding="utf-8-sig", errors="replace", newline="") as f:
-                header = next(csv.reader(f, delimiter="\t" if file.format == "tsv" else ","), [])
+                header = next(_csv_reader(f, file.format), [])
             _check_columns(file.path, fields, header)
         elif file.format == "text" and (fields.id is not None or fields.query is not None):
             raise ReaderError(f"{file.path} is plain text: one text per line, no fields to name")
