@@ -126,8 +126,12 @@ def serve(settings: Settings) -> int:
         # Nginx keeps upstream connections alive for less than this, so it never reuses a
         # connection uvicorn is closing.
         timeout_keep_alive=UVICORN_KEEP_ALIVE_S,
-        # After the drain only idle or stalled connections are left; do not wait forever.
-        timeout_graceful_shutdown=10,
+        # After the drain, admitted work is answered and a body still arriving is refused 503
+        # (server/one_write.py): only answers still being written are left, so this is short.
+        # On Kubernetes (deploy/kubernetes/base/deployment.yaml): preStop 5 s + drain up to
+        # 30 s + up to 5 s for the answers of aborted work (Runtime.drain) + these 2 s = 42 s,
+        # 3 s inside terminationGracePeriodSeconds 45 for the lifespan's shutdown and exit.
+        timeout_graceful_shutdown=2,
         lifespan="on",
     )
     logging.getLogger("uvicorn.error").addFilter(ListeningMessage())

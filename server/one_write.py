@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from .disconnect import EXTENSION, ConnectionWatch
+from .errors import draining
 
 
 class CoalescingTransport(asyncio.Transport):
@@ -101,11 +103,37 @@ class CoalescingTransport(asyncio.Transport):
         return self._transport.get_write_buffer_limits()
 
 
+class BodiesUntilShutdown:
+    """The app as a connection runs it: once ``refusing`` (the server shuts down), a
+    ``receive()`` that returns part of a body raises 503 ``draining`` instead, which the app
+    answers as it answers any other."""
+
+    __slots__ = ("app", "refusing")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.refusing = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def receive_until_shutdown() -> Message:
+            message = await receive()
+            if self.refusing and message.get("more_body", False):
+                raise draining()
+            return message
+
+        await self.app(scope, receive_until_shutdown, send)
+
+
 class OneWriteHTTPProtocol(AutoHTTPProtocol):
     """uvicorn's HTTP/1.1 protocol (httptools, else h11) writing through a CoalescingTransport.
 
     With httptools it also gives each request's scope the connection's ``ConnectionWatch``
-    (``server/disconnect.py``), told when the connection is lost."""
+    (``server/disconnect.py``), told when the connection is lost. When the server shuts down
+    (after the drain), a request whose body is still coming is answered 503 ``draining``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.app = self._bodies = BodiesUntilShutdown(self.app)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.watch = ConnectionWatch()
@@ -117,6 +145,19 @@ class OneWriteHTTPProtocol(AutoHTTPProtocol):
         super().on_message_begin()  # type: ignore[misc]
         self.scope["extensions"] = {EXTENSION: self.watch}
 
+    def on_message_complete(self) -> None:
+        super().on_message_complete()  # type: ignore[misc]
+        # NOTE: uvicorn stops reading the socket while more than 64 KiB of body waits for the
+        # app, and reads on only when the app asks for more; after the body's last bytes it
+        # never asks, so a client that sent more than about 256 KiB and then went away was
+        # never seen to go (its FIN unread, no connection_lost, every input computed). The
+        # body is all here: read on, so that a close reaches connection_lost and the watch.
+        # A pipelined request (queued behind the one running) keeps reading paused until
+        # that one is answered, as uvicorn has it. h11's protocol has no such callback (it
+        # pauses after every request and its receive(), the watch's fallback, reads on).
+        if not self.pipeline:
+            self.flow.resume_reading()
+
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self.watch.connection_lost()
@@ -126,3 +167,15 @@ class OneWriteHTTPProtocol(AutoHTTPProtocol):
         # they leave now, in one write, rather than at the loop's next turn.
         self.transport.flush()
         super().on_response_complete()
+
+    def shutdown(self) -> None:
+        """Called by uvicorn for every connection once it stops (after the drain): a
+        request whose body is still coming (a client that stalled half-way) is answered 503
+        ``draining`` through the app, and its connection closed after it. uvicorn alone
+        would wait for that body until its graceful-shutdown timeout, then cancel the task
+        and answer a plain-text 500."""
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not cycle.response_started:
+            self._bodies.refusing = True
+            cycle.message_event.set()  # wakes a receive() waiting for more of the body
+        super().shutdown()  # the answer in progress is the connection's last

@@ -87,7 +87,8 @@ def main() -> int:
         log_config=None,
         access_log=False,
         timeout_keep_alive=UVICORN_KEEP_ALIVE_S,
-        timeout_graceful_shutdown=10,
+        # As a single-process replica's (server/cli.py): only answers being written are left.
+        timeout_graceful_shutdown=2,
         lifespan="on",
     )
     server = WorkerServer(config, runtime)

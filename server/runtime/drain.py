@@ -3,8 +3,11 @@
 uvicorn's own handler closes the listening socket at once, so Nginx would see refused
 connections and the work queued here would be cut off. This one, on the first SIGTERM or
 SIGINT, keeps listening while the runtime drains (readiness 503, new requests 503 ``draining``,
-admitted work finishes), and only then lets uvicorn shut down. A second signal answers what
-is left with 503 at once and stops without waiting.
+admitted work finishes), and only then lets uvicorn shut down. uvicorn then lets answers in
+progress finish, for a short bounded time (``timeout_graceful_shutdown``, server/cli.py); a
+request whose body is still arriving (a stalled client) is answered 503 ``draining`` at once
+and its connection closed (``OneWriteHTTPProtocol.shutdown``, server/one_write.py). A second
+signal answers what is left with 503 at once and stops without waiting.
 """
 
 from __future__ import annotations
