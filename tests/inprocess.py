@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from server import Settings, create_app
 from server.one_write import OneWriteHTTPProtocol
 from server.runtime.drain import DrainingServer
+from tests.fakes import ScriptedModel
 from tests.servers import free_port
 
 
@@ -63,3 +64,30 @@ def serve_in_thread(model, **settings) -> Iterator[LiveServer]:
         server.should_exit = True
         thread.join(30)
         assert not thread.is_alive(), "uvicorn did not stop"
+
+
+@contextlib.contextmanager
+def gated(**settings: object) -> Iterator[tuple[LiveServer, ScriptedModel, threading.Event]]:
+    """A live server whose model blocks every forward pass until the test opens the gate."""
+    gate = threading.Event()
+    gate.set()  # the warm-up batch runs freely
+    model = ScriptedModel(gate=gate)
+    with serve_in_thread(model, **settings) as live:
+        gate.clear()
+        model.entered.clear()
+        try:
+            yield live, model, gate
+        finally:
+            gate.set()
+
+
+def codes(live: LiveServer) -> dict[str, float]:
+    """Status codes the replica answered on /v1/infer, from its own request counter."""
+    found: dict[str, float] = {}
+    for metric in live.registry.collect():
+        for sample in metric.samples:
+            counted = sample.name == "batchfit_requests_total" and sample.value
+            if counted and sample.labels["endpoint"] == "/v1/infer":
+                code = sample.labels["code"]
+                found[code] = found.get(code, 0) + sample.value
+    return found

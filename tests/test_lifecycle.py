@@ -1,36 +1,18 @@
 """Disconnects, liveness, drain and over-limit streams against real uvicorn on a loopback
 socket, over a gated scripted model so every interleaving is deterministic."""
 
-import contextlib
 import json
 import logging
 import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.fakes import ScriptedModel
-from tests.inprocess import serve_in_thread
+from tests.inprocess import codes, gated
 from tests.rawhttp import read_response, send_request
 
 TIMEOUT = 10  # guards against hangs only
-
-
-@contextlib.contextmanager
-def gated(**settings):
-    """A live server whose model blocks every forward pass until the test opens the gate."""
-    gate = threading.Event()
-    gate.set()  # the warm-up batch runs freely
-    model = ScriptedModel(gate=gate)
-    with serve_in_thread(model, **settings) as live:
-        gate.clear()
-        model.entered.clear()
-        try:
-            yield live, model, gate
-        finally:
-            gate.set()
 
 
 def post(url, body, **kwargs):
@@ -39,18 +21,6 @@ def post(url, body, **kwargs):
 
 def errors_logged(caplog):
     return [r for r in caplog.records if r.levelno >= logging.ERROR]
-
-
-def codes(live):
-    """Status codes the replica answered on /v1/infer, from its own request counter."""
-    found = {}
-    for metric in live.registry.collect():
-        for sample in metric.samples:
-            counted = sample.name == "batchfit_requests_total" and sample.value
-            if counted and sample.labels["endpoint"] == "/v1/infer":
-                code = sample.labels["code"]
-                found[code] = found.get(code, 0) + sample.value
-    return found
 
 
 def test_disconnect_while_queued_removes_the_items_before_compute(caplog):

@@ -4,13 +4,11 @@ half-way through its body when the replica stops."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import signal
 import socket
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +16,7 @@ import httpx
 import pytest
 
 from tests.fakes import GATE_ENV, ScriptedModel
-from tests.inprocess import serve_in_thread
+from tests.inprocess import codes, gated, serve_in_thread
 from tests.rawhttp import read_response, send_request
 from tests.servers import ROOT, run_server
 
@@ -28,39 +26,12 @@ TIMEOUT = 10  # guards against hangs only
 NUM_INPUTS = 64
 
 
-@contextlib.contextmanager
-def gated(**settings):
-    """A live server whose model blocks every forward pass until the test opens the gate."""
-    gate = threading.Event()
-    gate.set()  # the warm-up batch runs freely
-    model = ScriptedModel(gate=gate)
-    with serve_in_thread(model, **settings) as live:
-        gate.clear()
-        model.entered.clear()
-        try:
-            yield live, model, gate
-        finally:
-            gate.set()
-
-
 def post(url, body):
     return httpx.post(f"{url}/v1/infer", json=body, timeout=30)
 
 
 def errors_logged(caplog):
     return [r for r in caplog.records if r.levelno >= logging.ERROR]
-
-
-def codes(live):
-    """Status codes the replica answered on /v1/infer, from its own request counter."""
-    found: dict[str, float] = {}
-    for metric in live.registry.collect():
-        for sample in metric.samples:
-            counted = sample.name == "batchfit_requests_total" and sample.value
-            if counted and sample.labels["endpoint"] == "/v1/infer":
-                code = sample.labels["code"]
-                found[code] = found.get(code, 0) + sample.value
-    return found
 
 
 def connection_of(live, port: int):
