@@ -43,11 +43,12 @@ ENGINE_SILENCE_S = 5.0
 """The engine says its state every 0.2 s (``host.STATE_INTERVAL_S``); silent this long once
 its models have come, it is hung (stopped, or its event loop stuck), and /health/live says
 so: this process answers on, so its own liveness says nothing about the engine's."""
-ENGINE_FRESH_S = 1.0
-"""Ready only while the engine was heard from this recently (five of its state messages):
-its last word says ready, but an engine stopped or stuck since would leave new requests to
-wait out their deadline (and the grace) here, long before ``ENGINE_SILENCE_S`` calls it
-hung. Not ready is what load balancers act on by taking this replica out."""
+ENGINE_FRESH_S = 2.0
+"""Ready only while the engine was heard from this recently (ten of its state messages, so
+that a busy engine on a small host is not taken for a silent one): its last word says ready,
+but an engine stopped or stuck since would leave new requests to wait out their deadline (and
+the grace) here, long before ``ENGINE_SILENCE_S`` calls it hung. Not ready is what load
+balancers act on by taking this replica out."""
 
 
 _ENGINE_LATE = "the engine did not answer in time"
