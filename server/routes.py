@@ -38,6 +38,7 @@ from .lean import (
     read_body,
     validation_errors,
 )
+from .protocols.openai import OpenAIErrorBody, openai_error_response
 from .protocols.routes import protocol_route
 from .schemas import ErrorBody, InferRequest, InferResponse, ModelList, Status
 
@@ -261,18 +262,10 @@ async def list_models(request: Request) -> Response:
 
 def _openai_error(request: Request, error: ApiError) -> Response:
     """An error in OpenAI's shape; an unknown model's ``param`` is ``model``, as OpenAI's."""
-    # NOTE: imported here, not above: protocols/openai.py imports this module.
-    from .protocols.openai import openai_error_response
-
     param = "model" if error.error_type == "model_not_found" else None
     return openai_error_response(request, error, param)
 
 
-# OpenAI's error body, the component /v1/embeddings declares (protocols/openai.py's
-# OpenAIErrorBody, which cannot be imported here for the same reason).
-_OPENAI_ERROR_BODY = {
-    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIErrorBody"}}}
-}
 # OpenAI's routes live in protocols/openai.py; this one sits beside GET /v1/models.
 _openai_router = APIRouter(
     tags=["OpenAI"], route_class=protocol_route(_openai_error, validation_status=400)
@@ -283,9 +276,11 @@ _openai_router = APIRouter(
     "/v1/models/{name:path}",
     response_model=OpenAIModel,
     responses={
-        404: {"description": "No model of that name is served (model_not_found)"}
-        | _OPENAI_ERROR_BODY,
-        503: {"description": "Not ready or draining; see Retry-After"} | _OPENAI_ERROR_BODY,
+        404: {
+            "model": OpenAIErrorBody,
+            "description": "No model of that name is served (model_not_found)",
+        },
+        503: {"model": OpenAIErrorBody, "description": "Not ready or draining; see Retry-After"},
     },
     summary="Retrieve a model (OpenAI-compatible)",
 )
