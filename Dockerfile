@@ -21,6 +21,7 @@ COPY pyproject.toml README.md constraints.txt ./
 COPY server ./server
 COPY batching ./batching
 COPY models ./models
+COPY generation ./generation
 COPY bulk ./bulk
 COPY bench ./bench
 RUN pip install --constraint constraints.txt . && python -c "from models.loading import BUNDLED_MODEL, resolve_model_path; resolve_model_path(BUNDLED_MODEL)"

@@ -20,10 +20,12 @@ from .errors import (
 from .lanes import Lane
 from .measure import measured_forward
 from .metrics import (
+    LATENCY_BUCKETS_S,
     BatchingMetrics,
     MemoryMetrics,
     ModelBatchingMetrics,
     ModelMemoryMetrics,
+    latency_buckets,
     powers_of_two,
 )
 from .model_thread import ModelThread
@@ -75,6 +77,7 @@ from .warmup import (
 )
 
 __all__ = [
+    "LATENCY_BUCKETS_S",
     "LIMIT_SOURCES",
     "WARMUP_BATCHES",
     "AdaptiveConfig",
@@ -125,6 +128,7 @@ __all__ = [
     "fit_envelope",
     "fit_time_model",
     "largest_batch",
+    "latency_buckets",
     "limit_address_space",
     "limit_kills",
     "measured_forward",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .answers import top_labels, truncate_dimensions
 from .base import ArchitectureShape, Item, Model, ModelInfo
+from .chat import ChatMessage, ChatTemplateError, Detokenizer, NoChatTemplate, PromptTokenizer
 from .errors import (
     DeviceError,
     InputTooLong,
@@ -20,11 +21,21 @@ from .errors import (
     is_out_of_memory,
     translate_error,
 )
+from .generative import (
+    GenerationDefaults,
+    Generator,
+    SampledToken,
+    SamplingParams,
+    SeqChunk,
+    StepRequest,
+    StepResult,
+)
 from .prompts import UnknownPrompt, resolve_prompt
 from .spec import BUNDLED_MODEL, ModelSpec, available_cpus
 from .tokenizing import TextTokenizer, Tokens
 
 if TYPE_CHECKING:
+    from .causal import CausalLM, load_generator
     from .custom import load_entry_point, parse_entry_point
     from .description import ModelDescription, describe
     from .loading import current_cpu_threads, load_model, resolve_device, set_cpu_threads
@@ -33,6 +44,8 @@ if TYPE_CHECKING:
     from .text import TextModel
 
 _LAZY = {
+    "CausalLM": "causal",
+    "load_generator": "causal",
     "load_entry_point": "custom",
     "parse_entry_point": "custom",
     "ModelDescription": "description",
@@ -62,7 +75,13 @@ __all__ = [
     "BUNDLED_MODEL",
     "ArchitectureShape",
     "BatchProfiler",
+    "CausalLM",
+    "ChatMessage",
+    "ChatTemplateError",
+    "Detokenizer",
     "DeviceError",
+    "GenerationDefaults",
+    "Generator",
     "InputTooLong",
     "Item",
     "Model",
@@ -72,8 +91,15 @@ __all__ = [
     "ModelLoadError",
     "ModelOutOfMemory",
     "ModelSpec",
+    "NoChatTemplate",
     "ProfileStatus",
     "ProfilerBusy",
+    "PromptTokenizer",
+    "SampledToken",
+    "SamplingParams",
+    "SeqChunk",
+    "StepRequest",
+    "StepResult",
     "TextModel",
     "TextTokenizer",
     "Tokens",
@@ -83,6 +109,7 @@ __all__ = [
     "describe",
     "is_out_of_memory",
     "load_entry_point",
+    "load_generator",
     "load_model",
     "parse_entry_point",
     "quantize_int8",

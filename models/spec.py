@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
-TASKS = ("auto", "embed", "classify", "rerank")
+TASKS = ("auto", "embed", "classify", "rerank", "generate")
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPES = ("auto", *DTYPE_NAMES)
 
@@ -29,6 +29,8 @@ class ModelSpec:
     default_prompt_name: str | None = None
     """The prompt inputs get when a request names none; None: the model's own default, "":
     no prompt."""
+    chat_template: str | None = None
+    """A generator's chat template: a Jinja file read instead of the tokenizer's own."""
 
 
 def cpu_threads(requested: int | None, environ: Mapping[str, str] = os.environ) -> int:

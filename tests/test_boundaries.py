@@ -1,6 +1,7 @@
 """Keep the package boundaries true: models imports neither batching nor server;
-batching never imports a concrete model (nor server); bulk jobs compose models and batching
-without the server; none of models and batching imports bulk."""
+batching never imports a concrete model (nor server); bulk jobs and generation compose
+models and batching without the server; none of models and batching imports bulk or
+generation."""
 
 import ast
 import subprocess
@@ -11,9 +12,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
-    "models": {"server", "batching", "bulk"},
-    "batching": {"server", "models", "bulk"},
-    "bulk": {"server"},
+    "models": {"server", "batching", "bulk", "generation"},
+    "batching": {"server", "models", "bulk", "generation"},
+    "bulk": {"server", "generation"},
+    "generation": {"server", "bulk"},
 }
 
 
@@ -36,7 +38,7 @@ def test_package_boundaries(package):
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("package", ["server", "batching", "models", "bulk"])
+@pytest.mark.parametrize("package", ["server", "batching", "models", "generation", "bulk"])
 def test_public_names_are_exported(package):
     module = __import__(package)
     assert module.__all__

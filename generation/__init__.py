@@ -1,0 +1,33 @@
+"""Text generation: sequences, the step scheduler, the engine's step loop, streams, stop
+strings, the step time model and the metrics.
+
+Knows no concrete model and no HTTP: the engine drives a ``models.Generator`` on the
+replica's ``batching.ModelThread``.
+"""
+
+from .engine import EngineConfig, GenerationEngine, SequenceCancelled
+from .metrics import GenerationMetrics, ModelGenerationMetrics
+from .scheduler import StepBudget, StepPlan, schedule
+from .sequence import SeqState, Sequence, SequenceSpec
+from .stops import StopText
+from .stream import SequenceStream, TokenEvent, TokenLogprob
+from .timing import StepTimeModel
+
+__all__ = [
+    "EngineConfig",
+    "GenerationEngine",
+    "GenerationMetrics",
+    "ModelGenerationMetrics",
+    "SeqState",
+    "Sequence",
+    "SequenceCancelled",
+    "SequenceSpec",
+    "SequenceStream",
+    "StepBudget",
+    "StepPlan",
+    "StepTimeModel",
+    "StopText",
+    "TokenEvent",
+    "TokenLogprob",
+    "schedule",
+]

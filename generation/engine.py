@@ -1,0 +1,393 @@
+"""The step loop of one generator: schedule, run the step on the model thread, apply the
+sampled tokens, and feed each sequence's stream.
+
+One engine per generator runs on the replica's event loop. Its steps go to the replica's
+``ModelThread``, which also runs the batcher's forward passes: calls run in the order they
+were handed over, so a decode step and an encoder batch take turns, and the memory probe
+both read sizes both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from batching import (
+    Clock,
+    DeadlineExceeded,
+    InferenceFailed,
+    MemoryProbe,
+    ModelThread,
+    OutOfMemory,
+    QueueFull,
+    ShuttingDown,
+)
+from models import DeviceError, Generator, ModelOutOfMemory, SeqChunk, StepRequest, StepResult
+
+from .metrics import ModelGenerationMetrics
+from .scheduler import StepBudget, StepPlan, schedule
+from .sequence import SeqState, Sequence, SequenceSpec
+from .stream import SequenceStream
+from .text import SequenceText, emit
+from .timing import StepTimeModel
+
+log = logging.getLogger("batchfit.generation")
+
+
+class SequenceCancelled(Exception):
+    """A sequence's client went away before its end."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_running: int = 64
+    """Most sequences in the store at once (``--max-running-seqs``)."""
+    max_step_tokens: int = 2048
+    """Most tokens one step feeds (``--max-step-tokens``)."""
+    prefill_time_factor: float = 1.8
+    """While sequences decode, a step's prefill chunks keep its predicted time within this
+    many times a decode-only step's."""
+    default_prefill_tokens: int = 64
+    """The prefill chunk beside decode tokens before the step time model is fitted."""
+    max_waiting: int = 1024
+    """Most sequences waiting to join; beyond it ``submit`` raises ``QueueFull`` (429)."""
+    headroom_fraction: float = 0.15
+    """Share of the free memory the key/value store leaves unused."""
+    priority_aging_s: float = 1.0
+
+
+class GenerationEngine:
+    def __init__(
+        self,
+        *,
+        name: str,
+        model: Generator,
+        model_thread: ModelThread,
+        clock: Clock,
+        metrics: ModelGenerationMetrics,
+        config: EngineConfig,
+        probe: MemoryProbe | None = None,
+    ) -> None:
+        self.name = name
+        self.model = model
+        self.config = config
+        self._thread = model_thread
+        self._clock = clock
+        self._probe = probe
+        self.metrics = metrics
+        self._prompts = model.preparer()
+        self._ids = itertools.count(1)
+        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []
+        self._wake = asyncio.Event()
+        self._to_free: list[int] = []
+        self._to_forget: list[int] = []
+        self.cache_bytes = 0
+        """What the store held after the latest step."""
+        self.time_model = StepTimeModel()
+        self.healthy = True
+        self.num_steps = 0
+        self.stopped = False
+
+    # -- requests ----------------------------------------------------------------------
+
+    def submit(
+        self, specs: Seq[SequenceSpec], *, priority: int = 0, timeout_s: float
+    ) -> list[Sequence]:
+        """Admit one request's sequences (its choices), or none: ``QueueFull`` where the
+        waiting sequences would pass ``max_waiting``, ``ShuttingDown`` once stopped."""
+        if self.stopped:
+            raise ShuttingDown("the generator stopped")
+        if len(self.waiting) + len(specs) > self.config.max_waiting:
+            raise QueueFull(len(self.waiting), self.config.max_waiting, retry_after_s=1.0)
+        now = self._clock.now()
+        sequences = [
+            Sequence(
+                seq_id=next(self._ids),
+                spec=spec,
+                priority=priority,
+                arrival_s=now,
+                deadline_s=now + timeout_s,
+                stream=SequenceStream(index),
+            )
+            for index, spec in enumerate(specs)
+        ]
+        self.waiting.extend(sequences)
+        self.metrics.waiting.set(len(self.waiting))
+        self._wake.set()
+        return sequences
+
+    def cancel(self, sequences: Seq[Sequence]) -> None:
+        """Their client went away: they leave at the next step, their cache freed."""
+        for seq in sequences:
+            if seq.state is not SeqState.FINISHED:
+                seq.cancelled = True
+        self._wake.set()
+
+    def fail_waiting(self, error: BaseException) -> int:
+        """End every sequence that has not started (a drain: 503); running ones go on."""
+        unstarted = [s for s in self.waiting if s.started_s is None]
+        for seq in unstarted:
+            self._end(seq, error=error)
+        self.waiting = [s for s in self.waiting if s.started_s is not None]
+        self.metrics.waiting.set(len(self.waiting))
+        return len(unstarted)
+
+    def fail_all(self, error: BaseException) -> None:
+        for seq in [*self.running, *self.waiting]:
+            self._end(seq, error=error)
+        self.running, self.waiting = [], []
+        self.metrics.running.set(0)
+        self.metrics.waiting.set(0)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Step until cancelled; then every sequence still in it ends with
+        ``ShuttingDown``. A device error ends it too (after failing its step's sequences):
+        the replica decides what a dead engine means."""
+        error: BaseException = ShuttingDown("the server stopped before this sequence ended")
+        unsent: list[tuple[Sequence, list]] = []
+        try:
+            while True:
+                plan, request = self._plan()
+                future = self._thread.start(self.model.step, request) if request else None
+                if unsent:
+                    emit(unsent, self._prompts, self._clock.now(), self.metrics, self._finish)
+                    unsent = []
+                if future is None:
+                    await self._idle()
+                    continue
+                unsent = await self._outcome(plan, request, future)
+        except DeviceError:
+            self.healthy = False
+            error = InferenceFailed("the device failed; this replica is stopping")
+            raise
+        except BaseException:
+            self.healthy = False
+            raise
+        finally:
+            self.stopped = True
+            self.fail_all(error)
+
+    async def _idle(self) -> None:
+        self._wake.clear()
+        if self.running or self.waiting:
+            # Work that cannot run now (a deadline to wait for, nothing fits): look again
+            # after a while, or at once when something changes.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 0.05)
+            return
+        await self._wake.wait()
+
+    def _plan(self) -> tuple[StepPlan, StepRequest | None]:
+        """Drop what ended, schedule, and build the step's request (None: nothing to do)."""
+        now = self._clock.now()
+        self._drop_ended(now)
+        plan = schedule(self.running, self.waiting, self._budget(now))
+        for seq in plan.preempt:
+            self._preempt(seq, "memory")
+        chunks = []
+        for seq in plan.decode:
+            chunks.append(
+                SeqChunk(seq.seq_id, (seq.output_ids[-1],), seq.num_cached, seq.spec.sampling)
+            )
+        for seq, count in plan.prefill:
+            if seq.state is SeqState.WAITING:
+                self._admit(seq, now)
+            stop = seq.num_cached + count
+            sampling = seq.spec.sampling if stop == seq.num_tokens else None
+            chunks.append(SeqChunk(seq.seq_id, seq.tokens(seq.num_cached, stop),
+                                   seq.num_cached, sampling))  # fmt: skip
+        if not chunks and not self._to_free:
+            return plan, None
+        request = StepRequest(chunks, free=self._to_free, forget=self._to_forget)
+        self._to_free, self._to_forget = [], []
+        return plan, request
+
+    def _budget(self, now: float) -> StepBudget:
+        config = self.config
+        decoding = [s for s in self.running if s.num_pending <= 1]
+        if decoding:
+            tokens = self.time_model.prefill_tokens(
+                len(decoding), len(decoding), config.prefill_time_factor
+            )
+            prefill = config.default_prefill_tokens if tokens is None else max(tokens, 1)
+        else:
+            prefill = config.max_step_tokens
+        limit = None
+        reading = self._probe.read() if self._probe is not None else None
+        if reading is not None and reading.free_bytes is not None:
+            reserve = self.model.step_bytes(config.max_step_tokens, 0, config.max_running)
+            room = reading.free_bytes * (1 - config.headroom_fraction) - reserve
+            limit = max(0.0, self.cache_bytes + room)
+            self.metrics.cache_budget_bytes.set(limit)
+        return StepBudget(
+            max_running=config.max_running,
+            max_step_tokens=config.max_step_tokens,
+            max_prefill_tokens=min(prefill, config.max_step_tokens),
+            bytes_per_token=self.model.cache_bytes_per_token,
+            cache_bytes=limit,
+            now=now,
+            priority_aging_s=config.priority_aging_s,
+        )
+
+    def _admit(self, seq: Sequence, now: float) -> None:
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.state = SeqState.RUNNING
+        if seq.started_s is None:
+            seq.started_s = now
+            self.metrics.prompt_tokens.inc(len(seq.spec.prompt_ids))
+        self._show_counts()
+
+    def _preempt(self, seq: Sequence, reason: str) -> None:
+        """Free its cache; it goes back to the waiting sequences with what it generated,
+        to prefill it all again later."""
+        self.running.remove(seq)
+        seq.state = SeqState.WAITING
+        seq.num_cached = 0
+        seq.num_preemptions += 1
+        self._to_free.append(seq.seq_id)
+        self.waiting.append(seq)
+        self.metrics.preemptions[reason].inc()
+        self._show_counts()
+        log.info("generator %s: preempted sequence %d (%s)", self.name, seq.seq_id, reason)
+
+    def _drop_ended(self, now: float) -> None:
+        for seq in [*self.running, *self.waiting]:
+            if seq.cancelled:
+                self._finish(seq, "cancelled")
+            elif seq.first_token_s is None and seq.deadline_s <= now:
+                self._end(seq, error=DeadlineExceeded(now - seq.arrival_s))
+
+    async def _outcome(
+        self, plan: StepPlan, request: StepRequest, future: asyncio.Future[StepResult]
+    ) -> list[tuple[Sequence, list]]:
+        """Wait for the step; apply its tokens. Returns the sequences with new tokens, for
+        their streams."""
+        started = self._clock.now()
+        stepped = [*plan.decode, *(seq for seq, _ in plan.prefill)]
+        try:
+            result = await future
+        except ModelOutOfMemory as exc:
+            self._out_of_memory(stepped, exc)
+            return []
+        except DeviceError:
+            for seq in stepped:
+                self._end(seq, error=InferenceFailed("the device failed; this replica is stopping"))
+            raise
+        except Exception:
+            log.exception("generator %s: a step of %d sequences failed", self.name, len(stepped))
+            for seq in stepped:
+                self._end(seq, error=InferenceFailed("generation failed"))
+            return []
+        now = self._clock.now()
+        elapsed = now - started
+        self.num_steps += 1
+        self.cache_bytes = result.cache_bytes
+        self.metrics.cache_bytes.set(result.cache_bytes)
+        if request.chunks:
+            self.time_model.observe(request.num_tokens, len(request.chunks), elapsed)
+            self.metrics.step_tokens.observe(request.num_tokens)
+            self.metrics.step_duration.observe(elapsed)
+        for chunk in request.chunks:
+            self._cached(chunk)
+        sampled = {token.seq_id: token for token in result.tokens}
+        fresh = []
+        for seq in stepped:
+            token = sampled.get(seq.seq_id)
+            if token is None or seq.state is not SeqState.RUNNING:
+                continue  # a prefill chunk short of the end, or it ended meanwhile
+            seq.output_ids.append(token.token_id)
+            if seq.text is None:
+                seq.text = SequenceText(self._prompts, seq)
+            fresh.append((seq, [token]))
+            if token.token_id in self.model.defaults.eos_token_ids and not seq.spec.ignore_eos:
+                seq.text.finish_reason = "stop"
+                seq.text.eos = True
+            elif seq.room <= 0 or seq.num_tokens >= self.model.info.max_input_tokens:
+                seq.text.finish_reason = "length"
+            if seq.text.finish_reason is not None:
+                self._retire(seq)
+        return fresh
+
+    def _cached(self, chunk: SeqChunk) -> None:
+        for seq in self.running:
+            if seq.seq_id == chunk.seq_id:
+                seq.num_cached = chunk.start + len(chunk.token_ids)
+                return
+
+    def _out_of_memory(self, stepped: list[Sequence], exc: ModelOutOfMemory) -> None:
+        """A step ran out of memory: preempt the newer half of its sequences and let the
+        next step run the rest. A lone sequence cannot be split: with tokens generated it
+        ends with ``length``; a prompt that cannot be prefilled even alone gets 507."""
+        live = [s for s in stepped if s.state is SeqState.RUNNING]
+        if len(live) > 1:
+            live.sort(key=lambda s: (s.priority, -s.arrival_s, -s.seq_id))
+            half = live[: len(live) // 2]
+            log.warning(
+                "generator %s: a step of %d sequences ran out of memory (%s); preempting %d",
+                self.name, len(live), exc, len(half),
+            )  # fmt: skip
+            for seq in half:
+                self._preempt(seq, "out_of_memory")
+            return
+        for seq in live:
+            if seq.output_ids:
+                log.warning(
+                    "generator %s: sequence %d cannot continue even alone (%s); it ends with "
+                    "length", self.name, seq.seq_id, exc,
+                )  # fmt: skip
+                if seq.text is None:
+                    seq.text = SequenceText(self._prompts, seq)
+                seq.text.finish_reason = "length"
+                self._retire(seq)
+                emit([(seq, [])], self._prompts, self._clock.now(), self.metrics, self._finish)
+            else:
+                message = (
+                    f"a prompt of {len(seq.spec.prompt_ids)} tokens does not fit in memory even "
+                    f"alone ({exc})"
+                )
+                self._end(seq, error=OutOfMemory(message, exc.requested_bytes))
+
+    def _retire(self, seq: Sequence) -> None:
+        """It has its last token: out of the steps (its cache freed), its stream ended by
+        ``emit``."""
+        if seq.state is SeqState.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.state = SeqState.FINISHED
+        self._to_free.append(seq.seq_id)
+        self._to_forget.append(seq.seq_id)
+        self._show_counts()
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """``seq`` ended (``stop``, ``length``, or ``cancelled``: its client went away): out
+        of the steps if it still is, its end counted; a cancelled one's stream ends with
+        ``SequenceCancelled`` (nobody reads it, but every stream ends)."""
+        if seq.state is not SeqState.FINISHED:
+            self._retire(seq)
+        self.metrics.finished[reason].inc()
+        if reason == "cancelled":
+            seq.stream.fail(SequenceCancelled("the client went away"))
+
+    def _end(self, seq: Sequence, *, error: BaseException) -> None:
+        """End ``seq`` with ``error``: out of the steps, its stream failed."""
+        if seq.state is not SeqState.FINISHED:
+            self._retire(seq)
+            self.metrics.finished["error"].inc()
+        seq.stream.fail(error)
+
+    def _show_counts(self) -> None:
+        self.metrics.running.set(len(self.running))
+        self.metrics.waiting.set(len(self.waiting))

@@ -1,0 +1,110 @@
+"""What the next step runs: a pure function of the sequences, the live budget and the caps.
+
+``schedule`` reads each sequence's cached and pending tokens and returns the sequences that
+decode, the chunks of prompts that are prefilled and the sequences that are preempted. It
+does no I/O: the engine reads memory and the clock, and tests step it by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from .sequence import Sequence
+
+GROWTH_TOKENS = 16
+"""Room kept for every running sequence to grow by, before another is admitted."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudget:
+    max_running: int
+    """Most sequences in the store at once (``--max-running-seqs``)."""
+    max_step_tokens: int
+    """Most tokens one step feeds (``--max-step-tokens``)."""
+    max_prefill_tokens: int
+    """Most prompt tokens this step prefills, beside the decode tokens (the time model's
+    share, or ``max_step_tokens`` while none decode)."""
+    bytes_per_token: int
+    cache_bytes: float | None
+    """The most the store may hold after the step (what it holds plus what is free beside
+    the step's activations); None: no memory bound."""
+    now: float = 0.0
+    priority_aging_s: float = 0.0
+    """A waiting sequence's priority rises by one every this many seconds (0: never)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    decode: tuple[Sequence, ...] = ()
+    prefill: tuple[tuple[Sequence, int], ...] = ()
+    """Sequences and how many of their pending tokens this step feeds."""
+    preempt: tuple[Sequence, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(count for _, count in self.prefill)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+def effective_priority(seq: Sequence, now: float, aging_s: float) -> float:
+    if not aging_s:
+        return seq.priority
+    return seq.priority + int(max(0.0, now - seq.arrival_s) / aging_s)
+
+
+def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget) -> StepPlan:
+    """The next step.
+
+    - Running sequences keep their places, by effective priority then arrival; where their
+      next tokens (and ``GROWTH_TOKENS`` each to grow by) do not fit ``cache_bytes``, the
+      last of them (the newest of the lowest priority) are preempted, down to one.
+    - Every running sequence with one pending token decodes; those still prefilling go on
+      with chunks under ``max_prefill_tokens``.
+    - Waiting sequences then join in the same order while a sequence slot, prefill tokens
+      and memory for their whole pending tokens (and growth) remain. The first that does not
+      fit stops the others behind it, so FIFO among equals holds; with nothing running it
+      joins anyway (it can only run alone).
+    """
+    now, aging = budget.now, budget.priority_aging_s
+    order = lambda s: (-effective_priority(s, now, aging), s.arrival_s, s.seq_id)  # noqa: E731
+    running = sorted(running, key=order)
+    per_token = budget.bytes_per_token
+    limit = budget.cache_bytes
+    preempt: list[Sequence] = []
+    if limit is not None:
+        while len(running) > 1 and _held(running, per_token) > limit:
+            preempt.append(running.pop())
+    decode = tuple(s for s in running if s.num_pending <= 1)
+    tokens = len(decode)
+    prefill_left = max(0, min(budget.max_prefill_tokens, budget.max_step_tokens - tokens))
+    prefill: list[tuple[Sequence, int]] = []
+    for seq in running:
+        if seq.num_pending > 1 and prefill_left > 0:
+            count = min(seq.num_pending, prefill_left)
+            prefill.append((seq, count))
+            prefill_left -= count
+    used = _held(running, per_token)
+    slots = budget.max_running - len(running)
+    for seq in sorted(waiting, key=order):
+        if slots <= 0 or prefill_left <= 0:
+            break
+        need = (seq.num_pending + min(GROWTH_TOKENS, max(seq.room, 0))) * per_token
+        if limit is not None and used + need > limit and (running or prefill):
+            break
+        count = min(seq.num_pending, prefill_left)
+        prefill.append((seq, count))
+        prefill_left -= count
+        used += need
+        slots -= 1
+    return StepPlan(decode, tuple(prefill), tuple(preempt))
+
+
+def _held(running: Seq[Sequence], per_token: int) -> float:
+    """What the running sequences hold after their next tokens, with room to grow."""
+    return sum(
+        (s.num_cached + min(s.num_pending, GROWTH_TOKENS) + GROWTH_TOKENS) * per_token
+        for s in running
+    )

@@ -1,0 +1,95 @@
+"""What a sequence sends its request: token events, then an end.
+
+Each sequence has its own ``SequenceStream``; the engine puts events into it on the event
+loop and the request's handler reads them. A stream always ends: with the event whose
+``finish_reason`` is set, or with an error (``fail``), or cancelled by its reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+    """The likeliest tokens at that position: id, text, log probability."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """New output of one sequence: ``text`` (may be "" while a character or a possible stop
+    string is held back), the ``token_ids`` it came from, their log probabilities where asked
+    for, and ``finish_reason`` (``stop`` or ``length``) on its last event."""
+
+    index: int
+    """The choice this sequence is, within its request."""
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    """Tokens generated so far (the prompt and the output of usage)."""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class SequenceStream:
+    """A queue of events with one reader, which never blocks the writer."""
+
+    __slots__ = ("_error", "_events", "_finished", "_waiter", "index")
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+        self._events: collections.deque[TokenEvent] = collections.deque()
+        self._error: BaseException | None = None
+        self._finished = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        """The writer is done: an end event or an error went in."""
+        return self._finished
+
+    def put(self, event: TokenEvent) -> None:
+        if self._finished:
+            return
+        self._events.append(event)
+        if event.finish_reason is not None:
+            self._finished = True
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` after the events already in it."""
+        if self._finished:
+            return
+        self._error = error
+        self._finished = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next_events(self) -> list[TokenEvent]:
+        """Every event waiting (at least one); raises the stream's error once its events are
+        read, and ``EOFError`` after the end event was read."""
+        while not self._events:
+            if self._error is not None:
+                raise self._error
+            if self._finished:
+                raise EOFError
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events = list(self._events)
+        self._events.clear()
+        return events

@@ -1,0 +1,133 @@
+"""A causal LM behind the generation contract: one forward pass per step over every
+sequence's new tokens, packed into one row, then the sampler on the rows that sample."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..base import ModelInfo
+from ..chat import PromptTokenizer
+from ..errors import translate_error
+from ..generative import GenerationDefaults, SamplingParams, StepRequest, StepResult
+from .attention import IMPLEMENTATION
+from .kv import KVStore, StepCache
+from .sampling import Sampler
+
+
+class CausalLM:
+    """``step`` runs on the model thread only (as every forward pass does)."""
+
+    def __init__(
+        self,
+        *,
+        module: torch.nn.Module,
+        info: ModelInfo,
+        prompts: PromptTokenizer,
+        defaults: GenerationDefaults,
+        device: torch.device,
+    ) -> None:
+        self._module = module
+        self.info = info
+        self.defaults = defaults
+        self._prompts = prompts
+        self._device = device
+        config = module.config
+        module.set_attn_implementation(IMPLEMENTATION)
+        # NOTE: models whose forward takes no ``logits_to_keep`` run the LM head on every
+        # row of the step and the rows that sample are picked after it.
+        self._keeps_logits = bool(getattr(module, "_supports_logits_to_keep", lambda: False)())
+        shape = info.shape
+        self.store = KVStore(
+            num_layers=int(config.num_hidden_layers),
+            num_kv_heads=shape.num_kv_heads or shape.num_heads,
+            head_dim=shape.head_dim or shape.hidden_size // shape.num_heads,
+            dtype=next(module.parameters()).dtype,
+            device=device,
+        )
+        self.cache_bytes_per_token = self.store.bytes_per_token
+        self._sampler = Sampler(device)
+        self._vocab_size = int(config.vocab_size)
+
+    def preparer(self) -> PromptTokenizer:
+        return self._prompts
+
+    def free(self, seq_ids: Sequence[int], *, forget: bool = False) -> int:
+        self.store.free(seq_ids)
+        if forget:
+            self._sampler.forget(seq_ids)
+        return self.store.bytes_held
+
+    def step_bytes(self, num_tokens: int, attended: int, num_sampled: int) -> int:
+        """Activations of one step: the widest per-token tensors (hidden states, the
+        feed-forward's intermediate ones, queries, keys and values) for every token, every
+        head's scores for every query-key pair, and the logits (with their softmax) of the
+        rows that sample."""
+        shape = self.info.shape
+        element = shape.element_bytes
+        per_token = element * (
+            4 * shape.hidden_size
+            + (3 if shape.gated_mlp else 2) * shape.intermediate_size
+            + 2 * shape.num_heads * (shape.head_dim or 0)
+        )
+        scores = 4 * shape.num_heads * attended
+        logits = 3 * 4 * self._vocab_size * num_sampled
+        return num_tokens * per_token + scores + logits
+
+    def step(self, request: StepRequest) -> StepResult:
+        error: BaseException | None = None
+        try:
+            with torch.inference_mode():
+                if request.free or request.forget:
+                    self.store.free(request.free)
+                    self._sampler.forget(request.forget)
+                tokens = self._step(request) if request.chunks else []
+        except Exception as exc:
+            error = translate_error(exc)
+            if error is exc:
+                raise
+        if error is not None:
+            # NOTE: raised outside the except block so that no traceback (and none of the
+            # frames holding the failed step's tensors) stays reachable from our error.
+            raise error
+        return StepResult(tokens, self.store.bytes_held)
+
+    def _step(self, request: StepRequest) -> list:
+        ids: list[int] = []
+        positions: list[int] = []
+        spans: list[tuple[int, int]] = []
+        starts: list[int] = []
+        buffers: list[torch.Tensor] = []
+        rows: list[int] = []
+        seq_ids: list[int] = []
+        params: list[SamplingParams] = []
+        for chunk in request.chunks:
+            first = len(ids)
+            count = len(chunk.token_ids)
+            ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, chunk.start + count))
+            spans.append((first, first + count))
+            starts.append(chunk.start)
+            buffers.append(self.store.reserve(chunk.seq_id, chunk.start + count, keep=chunk.start))
+            if chunk.sampling is not None:
+                rows.append(first + count - 1)
+                seq_ids.append(chunk.seq_id)
+                params.append(chunk.sampling)
+        device = self._device
+        cache = StepCache(spans, starts, buffers)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+        keep = torch.tensor(rows, dtype=torch.long, device=device)
+        if self._keeps_logits:
+            logits = self._module(
+                input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
+                logits_to_keep=keep,
+            ).logits[0]  # fmt: skip
+        else:
+            logits = self._module(
+                input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True
+            ).logits[0, keep]
+        if not rows:
+            return []
+        return self._sampler.sample(logits, seq_ids, params)
