@@ -10,7 +10,7 @@ from .metrics import GenerationMetrics, ModelGenerationMetrics
 from .scheduler import StepBudget, StepPlan, schedule
 from .sequence import SeqState, Sequence, SequenceSpec
 from .stops import StopText
-from .stream import SequenceStream, TokenEvent, TokenLogprob
+from .stream import RequestStream, TokenEvent, TokenLogprob
 from .timing import StepTimeModel
 
 __all__ = [
@@ -18,11 +18,11 @@ __all__ = [
     "GenerationEngine",
     "GenerationMetrics",
     "ModelGenerationMetrics",
+    "RequestStream",
     "SeqState",
     "Sequence",
     "SequenceCancelled",
     "SequenceSpec",
-    "SequenceStream",
     "StepBudget",
     "StepPlan",
     "StepTimeModel",

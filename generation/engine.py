@@ -31,7 +31,7 @@ from models import DeviceError, Generator, ModelOutOfMemory, SeqChunk, StepReque
 from .metrics import ModelGenerationMetrics
 from .scheduler import StepBudget, StepPlan, schedule
 from .sequence import SeqState, Sequence, SequenceSpec
-from .stream import SequenceStream
+from .stream import RequestStream
 from .text import SequenceText, emit
 from .timing import StepTimeModel
 
@@ -97,14 +97,16 @@ class GenerationEngine:
 
     def submit(
         self, specs: Seq[SequenceSpec], *, priority: int = 0, timeout_s: float
-    ) -> list[Sequence]:
+    ) -> tuple[RequestStream, list[Sequence]]:
         """Admit one request's sequences (its choices), or none: ``QueueFull`` where the
-        waiting sequences would pass ``max_waiting``, ``ShuttingDown`` once stopped."""
+        waiting sequences would pass ``max_waiting``, ``ShuttingDown`` once stopped. Their
+        events go to one stream, each tagged with its sequence's place in ``specs``."""
         if self.stopped:
             raise ShuttingDown("the generator stopped")
         if len(self.waiting) + len(specs) > self.config.max_waiting:
             raise QueueFull(len(self.waiting), self.config.max_waiting, retry_after_s=1.0)
         now = self._clock.now()
+        stream = RequestStream(len(specs))
         sequences = [
             Sequence(
                 seq_id=next(self._ids),
@@ -112,14 +114,15 @@ class GenerationEngine:
                 priority=priority,
                 arrival_s=now,
                 deadline_s=now + timeout_s,
-                stream=SequenceStream(index),
+                stream=stream,
+                index=index,
             )
             for index, spec in enumerate(specs)
         ]
         self.waiting.extend(sequences)
         self.metrics.waiting.set(len(self.waiting))
         self._wake.set()
-        return sequences
+        return stream, sequences
 
     def cancel(self, sequences: Seq[Sequence]) -> None:
         """Their client went away: they leave at the next step, their cache freed."""
@@ -377,6 +380,7 @@ class GenerationEngine:
         ``SequenceCancelled`` (nobody reads it, but every stream ends)."""
         if seq.state is not SeqState.FINISHED:
             self._retire(seq)
+        seq.finish_reason = reason
         self.metrics.finished[reason].inc()
         if reason == "cancelled":
             seq.stream.fail(SequenceCancelled("the client went away"))

@@ -9,7 +9,7 @@ from typing import Any
 
 from models import SamplingParams
 
-from .stream import SequenceStream
+from .stream import RequestStream
 
 
 class SeqState(enum.Enum):
@@ -40,7 +40,11 @@ class Sequence:
     arrival_s: float
     deadline_s: float
     """The first token is due by then: a sequence with none at its deadline ends with 504."""
-    stream: SequenceStream
+    stream: RequestStream
+    """Where its events go: its request's stream, shared with the request's other
+    sequences."""
+    index: int = 0
+    """Its place among its request's sequences (the choice's ``index``)."""
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
     """Tokens of the sequence whose keys and values are in the store."""

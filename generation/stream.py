@@ -1,8 +1,8 @@
 """What a sequence sends its request: token events, then an end.
 
-Each sequence has its own ``SequenceStream``; the engine puts events into it on the event
-loop and the request's handler reads them. A stream always ends: with the event whose
-``finish_reason`` is set, or with an error (``fail``), or cancelled by its reader.
+The sequences of one request share one ``RequestStream``; the engine puts events into it on
+the event loop and the request's handler reads them. A stream always ends: with every
+sequence's event whose ``finish_reason`` is set, or with an error (``fail``).
 """
 
 from __future__ import annotations
@@ -39,37 +39,37 @@ class TokenEvent:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-class SequenceStream:
-    """A queue of events with one reader, which never blocks the writer."""
+class RequestStream:
+    """The events of one request's sequences (its choices), each tagged with its ``index``:
+    a queue with one reader, which never blocks the writer. It ends once every sequence has
+    put its end event, or at the first error (``fail``)."""
 
-    __slots__ = ("_error", "_events", "_finished", "_waiter", "index")
+    __slots__ = ("_ended", "_error", "_events", "_waiter", "closed", "num_sequences")
 
-    def __init__(self, index: int = 0) -> None:
-        self.index = index
+    def __init__(self, num_sequences: int = 1) -> None:
+        self.num_sequences = num_sequences
         self._events: collections.deque[TokenEvent] = collections.deque()
         self._error: BaseException | None = None
-        self._finished = False
+        self._ended = 0
+        self.closed = False
+        """Nothing more goes in: every sequence ended, or one failed."""
         self._waiter: asyncio.Future[None] | None = None
 
-    @property
-    def finished(self) -> bool:
-        """The writer is done: an end event or an error went in."""
-        return self._finished
-
     def put(self, event: TokenEvent) -> None:
-        if self._finished:
+        if self.closed:
             return
         self._events.append(event)
         if event.finish_reason is not None:
-            self._finished = True
+            self._ended += 1
+            self.closed = self._ended >= self.num_sequences
         self._wake()
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` after the events already in it."""
-        if self._finished:
+        if self.closed:
             return
         self._error = error
-        self._finished = True
+        self.closed = True
         self._wake()
 
     def _wake(self) -> None:
@@ -78,12 +78,12 @@ class SequenceStream:
             waiter.set_result(None)
 
     async def next_events(self) -> list[TokenEvent]:
-        """Every event waiting (at least one); raises the stream's error once its events are
-        read, and ``EOFError`` after the end event was read."""
+        """Every event waiting (at least one); raises the stream's error once the events
+        before it are read, and ``EOFError`` once every end event was read."""
         while not self._events:
             if self._error is not None:
                 raise self._error
-            if self._finished:
+            if self.closed:
                 raise EOFError
             self._waiter = asyncio.get_running_loop().create_future()
             try:

@@ -37,8 +37,8 @@ def emit(
     """Put each sequence's new tokens into its stream as one event; ``finish(seq, reason)``
     ends a sequence that a stop string ended (and counts every end)."""
     for seq, tokens in fresh:
-        if seq.stream.finished:
-            continue  # ended meanwhile (its client went away, or it failed)
+        if seq.stream.closed:
+            continue  # its request ended meanwhile (its client went away, or it failed)
         state = seq.text
         pieces = []
         ids = []
@@ -67,7 +67,7 @@ def emit(
             metrics.generated_tokens.inc(len(tokens))
         seq.stream.put(
             TokenEvent(
-                index=seq.stream.index,
+                index=seq.index,
                 text="".join(pieces),
                 token_ids=tuple(ids),
                 logprobs=tuple(logprobs),

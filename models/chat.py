@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from .base import ModelInfo
+from .generative import GenerationDefaults
 
 
 class NoChatTemplate(Exception):
@@ -44,8 +45,11 @@ class PromptTokenizer:
         info: ModelInfo,
         chat_template: str | None,
         special_tokens: Mapping[str, str],
+        defaults: GenerationDefaults | None = None,
     ) -> None:
         self.info = info
+        self.defaults = defaults or GenerationDefaults()
+        """The generation config's sampling defaults and end-of-sequence ids."""
         self._tokenizer = tokenizer
         self.chat_template = chat_template
         self._special_tokens = dict(special_tokens)
@@ -57,6 +61,7 @@ class PromptTokenizer:
             "tokenizer": self._tokenizer.to_str(),
             "chat_template": self.chat_template,
             "special_tokens": self._special_tokens,
+            "defaults": self.defaults,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -65,6 +70,7 @@ class PromptTokenizer:
             info=state["info"],
             chat_template=state["chat_template"],
             special_tokens=state["special_tokens"],
+            defaults=state["defaults"],
         )
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

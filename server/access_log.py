@@ -30,6 +30,7 @@ def access_entry(record: RequestRecord, now_s: float) -> dict[str, object]:
         "queue_wait_s": _round(trace.queue_wait_s) if trace is not None else None,
         "batch_sizes": trace.batch_sizes if trace is not None else None,
         "cache_hits": trace.cache_hits if trace is not None else None,
+        "generated_tokens": trace.generated_tokens if trace is not None else None,
         "duration_s": _round(record.duration_s),
     }
 

@@ -21,6 +21,7 @@ from .access_log import AccessLog
 from .admin import make_admin_router
 from .auth import ApiKeyMiddleware
 from .errors import install_error_handlers
+from .generate import router as generate_router
 from .lean import install_lean_front
 from .metrics_server import serve_metrics
 from .middleware import RequestContextMiddleware
@@ -138,7 +139,7 @@ def create_app(
         )  # fmt: skip
 
     install_error_handlers(app)
-    routers = (router, rerank_router, openai.router, kserve_v2.router)
+    routers = (router, rerank_router, openai.router, generate_router, kserve_v2.router)
     for included in routers:
         app.include_router(included)
     lean_routes = [r for included in routers for r in included.routes if hasattr(r, "lean_app")]

@@ -52,12 +52,24 @@ _ERROR_TYPES = (
               "an embedder on `/v1/rerank`)"),
     ErrorType("unsupported_parameter", (400,),
               "a parameter the model cannot honour: `dimensions` for a model that does not "
-              "embed, `top_k` for one that does not classify"),
+              "embed, `top_k` for one that does not classify; on the generation routes an "
+              "OpenAI parameter Batchfit does not implement (tools, `logit_bias`, penalties, "
+              "`suffix`)"),
     ErrorType("unknown_prompt", (400,),
               "`prompt_name` names no prompt of the model (the message lists its prompts)"),
     ErrorType("invalid_dimensions", (400,),
               "`dimensions` outside 1 to the model's output size (`output_dim`)"),
     ErrorType("unsupported_input", (400,), "token-id arrays instead of text on `/v1/embeddings`"),
+    ErrorType("invalid_parameter", (400,),
+              "a generation parameter out of its range (`n` above 8, `logprobs` or "
+              "`top_logprobs` above 5, more than 4 `stop` strings), an unknown chat role, "
+              "a token id outside the vocabulary; the message names the limit and the value"),
+    ErrorType("context_length_exceeded", (400,),
+              "a prompt as long as the generator's context, or the prompt and `max_tokens` "
+              "together past it"),
+    ErrorType("no_chat_template", (400,),
+              "`/v1/chat/completions` to a generator without a chat template "
+              "(`--chat-template` gives it one)"),
     ErrorType("unauthorized", (401,),
               "the API key (or, on `/admin`, the admin token) is missing or wrong "
               "(`WWW-Authenticate: Bearer`)"),
@@ -105,7 +117,8 @@ _ERROR_TYPES = (
     ErrorType("deadline_exceeded", (504,), "the request's deadline passed before its answer"),
     ErrorType("gateway_timeout", (504,),
               "a replica did not answer within Nginx's read timeout", (NGINX,)),
-    ErrorType("out_of_memory", (507,), "one input does not fit in memory even alone"),
+    ErrorType("out_of_memory", (507,),
+              "one input (a generation request: its prompt) does not fit in memory even alone"),
     ErrorType("internal_error", (500,), "anything else (the traceback goes to the log only)"),
     ErrorType("profile_dir_unwritable", (500,),
               "`POST /admin/profile` when `--profile-dir` cannot be created"),

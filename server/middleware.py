@@ -18,7 +18,12 @@ from .metrics import ServerMetrics
 
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # Endpoints whose requests we count; anything else is "other" (keeps label cardinality low).
-COUNTED_ENDPOINTS = frozenset({"/v1/infer", "/v1/models", "/v1/embeddings", "/v1/rerank"})
+COUNTED_ENDPOINTS = frozenset(
+    {
+        "/v1/infer", "/v1/models", "/v1/embeddings", "/v1/rerank", "/v1/completions",
+        "/v1/chat/completions",
+    }
+)  # fmt: skip
 V2_INFER = "/v2/models/{name}/infer"
 REJECTION_REASON = {
     "overloaded": "queue_full",

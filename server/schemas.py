@@ -116,6 +116,10 @@ class ModelCard(BaseModel):
     truncation_direction: str = Field(
         "right", description="The end over-long inputs are cut from by default: right or left."
     )
+    context_length: int | None = Field(
+        None,
+        description="Generators: the most tokens a prompt and its completion hold together.",
+    )
 
 
 class ModelList(BaseModel):

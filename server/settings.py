@@ -10,6 +10,7 @@ from pydantic import ByteSize, Field, SecretStr, field_validator, model_validato
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from batching import AdaptiveConfig, BatcherConfig
+from generation import EngineConfig
 from models import BUNDLED_MODEL, ModelSpec
 
 from .model_list import ModelEntry, model_specs, parse_models, split_list
@@ -41,8 +42,10 @@ class Settings(BaseSettings):
     task: Annotated[tuple[str, ...], NoDecode] = Field(
         ("auto",),
         description="[name=]task: embed (pooled as the model's configuration says), classify, "
-        "rerank (a cross-encoder) or auto, which reads the config (a one-label sequence "
-        "classifier is a reranker). A bare task applies to every model without a name=task of "
+        "rerank (a cross-encoder), generate (a causal LM behind /v1/completions and "
+        "/v1/chat/completions) or auto, which reads the config (a one-label sequence "
+        "classifier is a reranker; a causal LM without a sentence-transformers layout, or a "
+        ".gguf file, generates). A bare task applies to every model without a name=task of "
         "its own.",
     )
     default_prompt_name: Annotated[tuple[str, ...], NoDecode] = Field(
@@ -129,7 +132,33 @@ class Settings(BaseSettings):
         "(and one model's --max-queue-share of it), so that every request can be admitted.",
     )
     max_input_tokens: int | None = Field(
-        None, ge=2, description="Truncation length; defaults to the model's own maximum."
+        None,
+        ge=2,
+        description="Truncation length; defaults to the model's own maximum. For a generator: "
+        "its context (prompt and generated tokens together).",
+    )
+    chat_template: Path | None = Field(
+        None,
+        description="A Jinja chat template file, for every generator, instead of its "
+        "tokenizer's own (a generator without one answers chat requests with 400).",
+    )
+    max_running_seqs: int = Field(
+        64,
+        ge=1,
+        description="Generation: most sequences decoding at once (each choice of each request "
+        "is one). A cap: within it, the memory free at each step decides.",
+    )
+    max_step_tokens: int = Field(
+        2048,
+        ge=16,
+        description="Generation: most tokens one step feeds (decode tokens and prompt chunks).",
+    )
+    prefill_time_factor: float = Field(
+        1.8,
+        gt=1,
+        description="Generation: while sequences decode, prompts are prefilled in chunks that "
+        "keep a step's predicted time within this many times a step without them, so that "
+        "running streams wait at most one chunk for a new prompt.",
     )
     api_workers: int = Field(
         1,
@@ -394,6 +423,7 @@ class Settings(BaseSettings):
             quantize=self.quantize,
             num_threads=self.num_threads,
             default_prompt_name=default.default_prompt_name,
+            chat_template=str(self.chat_template) if self.chat_template else None,
         )
 
     def batcher_config(self) -> BatcherConfig:
@@ -404,6 +434,16 @@ class Settings(BaseSettings):
             plan_by_time=self.plan_by_time,
             min_reading_interval_s=MEMORY_READING_INTERVAL_S,
             max_reading_share=MEMORY_READING_SHARE,
+        )
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            max_running=self.max_running_seqs,
+            max_step_tokens=self.max_step_tokens,
+            prefill_time_factor=self.prefill_time_factor,
+            max_waiting=self.max_queue_items,
+            headroom_fraction=self.memory_headroom,
+            priority_aging_s=self.priority_aging_s,
         )
 
     def adaptive_config(self) -> AdaptiveConfig:

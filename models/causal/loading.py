@@ -50,6 +50,7 @@ def load_generator(
         shape=_shape(config, module),
     )
     template = _chat_template(tokenizer, chat_template, name)
+    defaults = generation_defaults(Path(path), tokenizer.eos_token_id)
     prompts = PromptTokenizer(
         tokenizer.backend_tokenizer,
         info=info,
@@ -59,8 +60,8 @@ def load_generator(
             for key, value in tokenizer.special_tokens_map.items()
             if isinstance(value, str)
         },
+        defaults=defaults,
     )
-    defaults = generation_defaults(Path(path), tokenizer.eos_token_id)
     log.info(
         "generator %s: context %d tokens, end-of-sequence ids %s, chat template %s, sampling "
         "defaults temperature %g top_p %g top_k %d",
@@ -68,7 +69,7 @@ def load_generator(
         "none" if template is None else ("from " + chat_template if chat_template else "its own"),
         defaults.temperature, defaults.top_p, defaults.top_k,
     )  # fmt: skip
-    return CausalLM(module=module, info=info, prompts=prompts, defaults=defaults, device=device)
+    return CausalLM(module=module, info=info, prompts=prompts, device=device)
 
 
 def generation_defaults(folder: Path, tokenizer_eos: int | None) -> GenerationDefaults:

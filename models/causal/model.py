@@ -25,12 +25,11 @@ class CausalLM:
         module: torch.nn.Module,
         info: ModelInfo,
         prompts: PromptTokenizer,
-        defaults: GenerationDefaults,
         device: torch.device,
     ) -> None:
         self._module = module
         self.info = info
-        self.defaults = defaults
+        self.defaults: GenerationDefaults = prompts.defaults
         self._prompts = prompts
         self._device = device
         config = module.config

@@ -7,6 +7,7 @@ Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, 
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -131,19 +132,26 @@ class ParamError(ApiError):
         self.param = param
 
 
-def openai_validation(exc: RequestValidationError) -> ParamError:
-    """A schema error: 400 ``invalid_request``, ``param`` the field at fault where it is
-    one of the body's (an unknown field is no parameter of the API)."""
-    errors = exc.errors()
-    fields = {
-        error["loc"][1]
-        for error in errors
-        if len(error.get("loc", ())) > 1 and error["loc"][0] == "body"
-    }
-    param = fields.pop() if len(fields) == 1 else None
-    if param not in EmbeddingRequest.model_fields:
-        param = None
-    return ParamError(SCHEMA_STATUS, "invalid_request", describe(errors), param)
+def validation_for(body: type[BaseModel]) -> Callable[[RequestValidationError], ParamError]:
+    """Schema errors of ``body``: 400 ``invalid_request``, ``param`` the field at fault where
+    it is one of the body's (an unknown field is no parameter of the API)."""
+
+    def validation(exc: RequestValidationError) -> ParamError:
+        errors = exc.errors()
+        fields = {
+            error["loc"][1]
+            for error in errors
+            if len(error.get("loc", ())) > 1 and error["loc"][0] == "body"
+        }
+        param = fields.pop() if len(fields) == 1 else None
+        if param not in body.model_fields:
+            param = None
+        return ParamError(SCHEMA_STATUS, "invalid_request", describe(errors), param)
+
+    return validation
+
+
+openai_validation = validation_for(EmbeddingRequest)
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {

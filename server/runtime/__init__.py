@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .generating import GenerationRun
 from .slot import ModelSlot, make_sizer
 from .startup import INLINE_TOKENIZE_CHARS
 from .trace import RequestTrace
@@ -30,6 +31,7 @@ __all__ = [
     "INLINE_TOKENIZE_CHARS",
     "ClientDisconnected",
     "ClientWatch",
+    "GenerationRun",
     "ModelSlot",
     "RequestTrace",
     "RequestWait",

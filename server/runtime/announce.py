@@ -9,6 +9,8 @@ from batching import AdaptiveSizer, MemoryReading, Sizer
 from models import ModelInfo
 
 if TYPE_CHECKING:
+    from generation import GenerationEngine
+
     from .runtime import Runtime
 
 MiB = 2**20
@@ -42,6 +44,22 @@ def memory_budget(sizer: Sizer, reading: MemoryReading | None) -> str:
     return f"memory budget {_mib(budget.max_bytes)} per batch ({source}; {caps})"
 
 
+def cache_budget(engine: GenerationEngine, reading: MemoryReading | None) -> str:
+    """A generator's key/value store as an operator reads it: what a token costs, and how
+    many the memory free now would hold."""
+    per_token = engine.model.cache_bytes_per_token
+    free = reading.free_bytes if reading is not None else None
+    held = "" if free is None else (
+        f", {free * (1 - engine.config.headroom_fraction) / per_token:,.0f} tokens in the "
+        f"{_mib(free)} free now, less {engine.config.headroom_fraction:.0%} headroom"
+    )  # fmt: skip
+    return (
+        f"key/value store {per_token / 1024:,.1f} KiB a token, allocated as sequences grow"
+        f"{held}; at most {engine.config.max_running} sequences, "
+        f"{engine.config.max_step_tokens} tokens a step"
+    )
+
+
 def outputs(info: ModelInfo) -> str:
     """What a model answers: ``embed: mean pooling, normalised, 384 dims; prompts query,
     passage (default query)``, ``rerank: sigmoid``, ``classify: softmax``."""
@@ -55,6 +73,8 @@ def outputs(info: ModelInfo) -> str:
             f"{info.output_dim} dims" if info.output_dim else None,
         ]
         text = ", ".join(p for p in parts if p)
+    elif info.task == "generate":
+        text = f"context {info.max_input_tokens} tokens"
     else:
         text = info.activation or ""
     if info.prompts:
@@ -77,6 +97,11 @@ def ready_line(runtime: Runtime, elapsed_s: float) -> str:
     reading = runtime.probe.read() if runtime.probe is not None else None
     budgets = []
     for slot in slots:
+        engine = runtime.generators.engines.get(slot.name)
+        if engine is not None:
+            budget = cache_budget(engine, reading)
+            budgets.append(f"{slot.name}: {budget}" if len(slots) > 1 else budget)
+            continue
         assert slot.sizer is not None
         budget = memory_budget(slot.sizer, reading)
         if slot.report is not None:

@@ -27,6 +27,7 @@ from batching import (
     release_host_memory,
     room_for_passes,
 )
+from generation import SequenceSpec
 from models import (
     BatchProfiler,
     DeviceError,
@@ -44,6 +45,7 @@ from ..settings import Settings
 from ..watchdog import exit_when_forward_hangs
 from .announce import ready_line
 from .contention import ThreadGuard
+from .generating import GenerationRun, Generators, warm_up_generator
 from .requests import RequestPath
 from .slot import ModelSlot, by_name, make_sizer, make_slots
 from .startup import bound_cache, limit_host_memory, load, log_memory_limit, place_tokenizing
@@ -98,6 +100,11 @@ class Runtime:
             max_items_per_model=settings.max_items_per_model(len(self._slots)),
         )
         self.work = WorkTracker(registry, clock=self.clock)
+        self.generators = Generators(
+            registry, max_step_tokens=settings.max_step_tokens,
+            max_latency_s=settings.max_timeout_s, clock=self.clock, work=self.work,
+        )  # fmt: skip
+        """One generation engine per generating model (``--task generate``)."""
         self.inputs = InputCache(
             registry, max_bytes=int(settings.cache_bytes or 0),
             deduplicate=settings.deduplicate, queue=self.queue,
@@ -180,10 +187,9 @@ class Runtime:
         return (
             self._started
             and not self.draining
-            and self.batcher is not None
-            and self.batcher.healthy
-            and self._task is not None
-            and not self._task.done()
+            and (self.batcher is None or self.batcher.healthy)
+            and (self._task is None or not self._task.done())
+            and self.generators.healthy
         )
 
     async def start(self) -> None:
@@ -211,6 +217,8 @@ class Runtime:
         self.phase = "starting the model thread"
         self.slots = by_name(self._slots)
         info = self._slots[0].info  # every model shares the device
+        encoders = [slot for slot in self._slots if slot.info.task != "generate"]
+        generators = [slot for slot in self._slots if slot.info.task == "generate"]
         if info.device == "cpu":
             log.info("%s", threads.describe())
             self.metrics.model_threads.set(threads.num_threads)
@@ -224,13 +232,16 @@ class Runtime:
             self.probe = probes_for_device(
                 info.device, memory_limit_bytes=self.settings.memory_limit
             )
-        for slot in self._slots:
+        for slot in encoders:
             slot.probe = self.probe
             if slot.sizer is None:
                 slot.sizer = make_sizer(self.settings, slot.info)
             # The first forward pass starts torch's thread pool; start every thread before a
             # memory limit caps the address space.
             await self.model_thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
+        for slot in generators:
+            self.phase = f"warming up generator {slot.name}"
+            await warm_up_generator(slot.model, self.model_thread, slot.name)  # type: ignore[arg-type]
         passes, threads_each = (
             side_shape(threads.num_threads, self.settings.cpu_passes)
             if info.device == "cpu" else (1, 0)
@@ -239,54 +250,25 @@ class Runtime:
             thread = ModelThread(f"batchfit-side-{number}")
             await thread.call(set_cpu_threads, threads_each)
             if threads_each > 1:  # its own pool of torch threads, started as above
-                for slot in self._slots:
+                for slot in encoders:
                     await thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
             self.side_threads.append(thread)
         await self.tokenizer_thread.call(int)
-        for slot in self._slots:
+        for slot in encoders:
             await place_tokenizing(slot, self.tokenizer_thread)
         if self.settings.memory_limit is not None and info.device == "cpu":
             limit_host_memory(self.probe, self.settings.memory_limit)
         log_memory_limit(self.probe, self.memory_metrics)
-        bound_cache(
-            self.inputs, self.settings, self._slots, self.probe, on_host=info.device == "cpu"
-        )
-        self.batcher = Batcher(
-            queue=self.queue,
-            lanes=[
-                slot.lane(
-                    self.profiler,
-                    self.thread_guard,
-                    threads_beside=threads_each if self.side_threads else None,
-                )
-                for slot in self._slots
-            ],
-            model_thread=self.model_thread,
-            clock=self.clock,
-            metrics=self.batching_metrics,
-            config=self.settings.batcher_config(),
-            oom_errors=(ModelOutOfMemory,),
-            fatal_errors=(DeviceError,),
-            probe=self.probe,
-            memory_metrics=self.memory_metrics,
-            answered=self.work.answered,
-        )
-        log.info("warming up: the largest batches the memory budget and the time bound allow")
-        for slot in self._slots:
-            if len(self._slots) > 1:
-                log.info("warming up model %s", slot.name)
-            self.phase = f"warming up model {slot.name}"
-            self._warming = slot
-            report = await slot.warm_up(self.batcher)
-            self._warming = None
-            if report.proven_length is not None:
-                self.memory_metrics.for_model(slot.name).proven_length.set(report.proven_length)
-        self.batcher.record_ceilings()
-        if self.side_threads:
-            self._choose_side_by_side(threads_each)
+        bound_cache(self.inputs, self.settings, encoders, self.probe, on_host=info.device == "cpu")
+        for slot in generators:
+            self.generators.add(
+                slot.name, slot.model, model_thread=self.model_thread,  # type: ignore[arg-type]
+                config=self.settings.engine_config(), probe=self.probe,
+            )  # fmt: skip
+        if encoders:
+            await self._start_batcher(encoders, threads_each)
+        self.generators.start(self._batcher_done)
         self.phase = "starting the batcher"
-        self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
-        self._task.add_done_callback(self._batcher_done)
         if self.settings.memory_release_idle_s > 0:
             self._release_task = asyncio.create_task(
                 self._release_memory_when_quiet(self.settings.memory_release_idle_s),
@@ -306,7 +288,45 @@ class Runtime:
         self.metrics.ready.set(1)
         log.info("%s", ready_line(self, time.perf_counter() - started))
 
-    def _choose_side_by_side(self, threads_each: int) -> None:
+    async def _start_batcher(self, encoders: list[ModelSlot], threads_each: int) -> None:
+        """The batcher over the models that are not generators, warmed up."""
+        self.batcher = Batcher(
+            queue=self.queue,
+            lanes=[
+                slot.lane(
+                    self.profiler,
+                    self.thread_guard,
+                    threads_beside=threads_each if self.side_threads else None,
+                )
+                for slot in encoders
+            ],
+            model_thread=self.model_thread,
+            clock=self.clock,
+            metrics=self.batching_metrics,
+            config=self.settings.batcher_config(),
+            oom_errors=(ModelOutOfMemory,),
+            fatal_errors=(DeviceError,),
+            probe=self.probe,
+            memory_metrics=self.memory_metrics,
+            answered=self.work.answered,
+        )
+        log.info("warming up: the largest batches the memory budget and the time bound allow")
+        for slot in encoders:
+            if len(self._slots) > 1:
+                log.info("warming up model %s", slot.name)
+            self.phase = f"warming up model {slot.name}"
+            self._warming = slot
+            report = await slot.warm_up(self.batcher)
+            self._warming = None
+            if report.proven_length is not None:
+                self.memory_metrics.for_model(slot.name).proven_length.set(report.proven_length)
+        self.batcher.record_ceilings()
+        if self.side_threads:
+            self._choose_side_by_side(threads_each, encoders)
+        self._task = asyncio.create_task(self.batcher.run(), name="batchfit-batcher")
+        self._task.add_done_callback(self._batcher_done)
+
+    def _choose_side_by_side(self, threads_each: int, encoders: list[ModelSlot]) -> None:
         """Passes side by side where memory cannot bind them (``room_for_passes``, as the
         sizers predict after warm-up); else the side threads end and passes run one at a
         time."""
@@ -315,7 +335,7 @@ class Runtime:
         reading = self.probe.read()
         roomy = all(
             room_for_passes(slot.sizer.budget(reading), passes, slot.info.max_input_tokens)
-            for slot in self._slots
+            for slot in encoders
             if slot.sizer is not None
         )
         if roomy:
@@ -366,10 +386,12 @@ class Runtime:
             self._on_fatal()
 
     def begin_drain(self) -> None:
-        """Refuse new work (503 ``draining``) and turn not ready; admitted work carries on."""
+        """Refuse new work (503 ``draining``) and turn not ready; admitted work carries on,
+        but for the generation requests still waiting to start: they get 503 at once."""
         if self.draining:
             return
         self.draining = True
+        self.generators.fail_waiting(ShuttingDown("the server is draining; retry elsewhere"))
         self.metrics.draining.set(1)
         self.metrics.ready.set(0)
         log.info(
@@ -393,7 +415,10 @@ class Runtime:
         """Answer every admitted item now with 503 (a running batch's results are dropped)."""
         self.begin_drain()
         self._aborted = True
-        return self.work.fail_open(ShuttingDown("the server stopped before this input ran"))
+        stopped = ShuttingDown("the server stopped before this input ran")
+        for engine in self.generators.engines.values():
+            engine.fail_all(stopped)
+        return self.work.fail_open(stopped)
 
     def where(self) -> str:
         """Where start-up is now: ``warming up model m (a batch of 1 x 8192 tokens running)``."""
@@ -426,6 +451,7 @@ class Runtime:
             # A crashed batcher's exception was logged when it ended.
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        await self.generators.stop()
         if self.batcher is not None:
             self.batcher.fail_waiting(ShuttingDown("the server stopped before this input ran"))
         threads = (self.model_thread, *self.side_threads)
@@ -507,3 +533,15 @@ class Runtime:
                 trace=trace if trace is not None else RequestTrace(), client=client,
                 dimensions=dimensions,
             )  # fmt: skip
+
+    def generate(
+        self, specs: Sequence[SequenceSpec], *, model: str, priority: int, timeout_s: float,
+        client: ClientWatch | None = None,
+    ) -> GenerationRun:  # fmt: skip
+        """Admit one generation request's sequences (its choices) to ``model``'s engine:
+        ``QueueFull`` (429) where its waiting sequences are too many, 503 while draining or
+        not ready. The run's stream carries their tokens; ``close`` it when done."""
+        slot = self._admit(model)
+        return self.generators.generate(
+            slot.name, specs, priority=priority, timeout_s=timeout_s, client=client
+        )

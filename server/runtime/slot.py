@@ -94,7 +94,7 @@ class ModelSlot:
         )  # fmt: skip
 
     def card(self) -> dict[str, object]:
-        """How ``/v1/models`` describes this model."""
+        """How ``/v1/models`` describes this model (a generator: with its context length)."""
         info = self.info
         return {
             "name": self.name,
@@ -110,6 +110,7 @@ class ModelSlot:
             "default_prompt_name": info.default_prompt_name,
             "activation": info.activation,
             "truncation_direction": info.truncation_side,
+            "context_length": info.max_input_tokens if info.task == "generate" else None,
         }
 
     async def warm_up(self, batcher: Batcher) -> WarmUpReport:

@@ -18,6 +18,9 @@ class RequestTrace:
     """Inputs answered from the output cache."""
     batch_sizes: list[int] = field(default_factory=list)
     """Items in each forward pass that answered one of its inputs, in order."""
+    generated_tokens: int | None = None
+    """A generation request's tokens generated, over all its choices (``tokens``: its
+    prompts')."""
 
     def record(self, pendings: Sequence[Pending]) -> None:
         waits = [p.started_s - p.arrival_s for p in pendings if p.started_s is not None]
