@@ -115,7 +115,7 @@ def test_the_ratios_set_batchfit_against_the_limit_the_best_vllm_and_naive():
     assert "max_num_seqs=32" in best_64.detail
     assert found["batchfit / naive TTFT p50 at 1 stream"].value == pytest.approx(0.5)
     assert found["batchfit / naive TBT p50 at 1 stream"].value == pytest.approx(0.8)
-    join = found["batchfit TBT p99 / p50 while a 1,024-token prompt joins"]
+    join = found["batchfit TBT p99 / p50 while a 512-token prompt joins"]  # quick: 512
     assert join.value == pytest.approx(5.0)
 
 
@@ -129,7 +129,7 @@ def test_the_report_has_a_table_per_level_the_failures_and_json_without_nan(tmp_
     result = _result()
     text = render_markdown(result, command="batchfit bench --generate --quick")
     for heading in ("### 1 stream", "### 16 streams", "### 64 streams",
-                    "## One stream while a 1,024-token prompt joins", "## Ratios for the targets",
+                    "## One stream while a 512-token prompt joins", "## Ratios for the targets",
                     "## Failures"):  # fmt: skip
         assert heading in text
     assert "| limit | failed: MemoryError: too big |" in text

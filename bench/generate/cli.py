@@ -46,7 +46,7 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         help="--generate: VLLM_CPU_KVCACHE_SPACE for vLLM (default: 4).")
     add("--vllm-max-num-seqs", type=_ints, default=None,
         help="--generate: vLLM --max-num-seqs values tried on the highest level, beside its "
-             "default (default: 16,32,64; --quick: none; 0 for none).")
+             "default, 128 on a CPU (default: 16,32; --quick: none; 0 for none).")
     add("--max-level-s", type=float, default=None,
         help="--generate: a level sends nothing new after this long (default: 180; --quick: "
              "40); streams still open 60 s later (--quick: 20) are cut.")

@@ -3,7 +3,7 @@ what ``generate_batch`` drives) with every request of a level submitted at once,
 core. No HTTP, no streaming to a client: the output tokens/s a server on the same model and
 library could reach at most.
 
-It runs in a child process (``python -m bench.generate.limit IN.json OUT.json``), so that its
+It runs in a child process (``main``, given IN.json and OUT.json), so that its
 model and cache leave with it and a crash is one error in the report, not the end of the run.
 
 Its cache is sized here, not by transformers: by default that takes a share of the host's
@@ -29,6 +29,10 @@ PAGE_SIZE = 64
 MAX_BATCH_TOKENS = 2048
 """Tokens of one forward pass (prefill chunks and decode steps together): vLLM's CPU default.
 On 32 requests of the 16-stream level: 24 output tokens/s at 512, 36 at 2,048, 32 at 4,096."""
+
+
+CHILD = "import sys\nfrom bench.generate.limit import main\nsys.exit(main(sys.argv[1:]))"
+"""The child's program (``-m`` would warn: the package has imported this module already)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,15 +123,18 @@ def _requests(raw: Sequence[Mapping[str, object]]) -> list[GenRequest]:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``IN.json``: {"model": folder, "warm_up": [...], "sets": {label: [request, ...]}}, a
-    request being {"prompt_token_ids": [...], "max_tokens": n}. Writes {label: LimitRun or
-    {"error": ...}} to ``OUT.json`` after each set."""
+    """``IN.json``: {"model": folder, "device": "cpu", "dtype": "float32", "warm_up": [...],
+    "sets": {label: [request, ...]}}, a request being {"prompt_token_ids": [...],
+    "max_tokens": n}. Writes {label: LimitRun or {"error": ...}} to ``OUT.json`` after each
+    set."""
     import torch
     from transformers import AutoModelForCausalLM
 
     given = json.loads(Path(argv[0]).read_text())
     out = Path(argv[1])
-    model = AutoModelForCausalLM.from_pretrained(given["model"], dtype=torch.float32).eval()
+    dtype = getattr(torch, given.get("dtype", "float32"))
+    model = AutoModelForCausalLM.from_pretrained(given["model"], dtype=dtype)
+    model = model.to(given.get("device", "cpu")).eval()
     figures: dict[str, object] = {}
     if given.get("warm_up"):
         run_limit(model, "warm-up", _requests(given["warm_up"]))
@@ -147,6 +154,8 @@ def measure_limit(
     *,
     timeout_s: float,
     log_path: Path,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> dict[str, dict[str, object]]:
     """Each set's ``LimitRun`` as a dict, or ``{"error": ...}`` (the child's last words where
     it failed or outlasted ``timeout_s``)."""
@@ -159,6 +168,8 @@ def measure_limit(
         given, out = Path(scratch) / "in.json", Path(scratch) / "out.json"
         given.write_text(json.dumps({
             "model": folder,
+            "device": device,
+            "dtype": dtype,
             "warm_up": encode(warm_up),
             "sets": {label: encode(requests) for label, requests in sets.items()},
         }))  # fmt: skip
@@ -166,7 +177,7 @@ def measure_limit(
         with open(log_path, "wb") as log:
             try:
                 code = subprocess.run(
-                    [sys.executable, "-m", "bench.generate.limit", str(given), str(out)],
+                    [sys.executable, "-c", CHILD, str(given), str(out)],
                     stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False,
                 ).returncode  # fmt: skip
                 if code != 0:

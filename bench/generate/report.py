@@ -69,7 +69,7 @@ def ratios(result: GenerateResult) -> list[Ratio]:
                            f"{_ms(a)} ms / {_ms(b)} ms"))  # fmt: skip
     join = batchfit.join if batchfit else None
     found.append(Ratio(
-        "batchfit TBT p99 / p50 while a 1,024-token prompt joins",
+        f"batchfit TBT p99 / p50 while a {result.options.join_prompt_tokens:,}-token prompt joins",
         _ratio(join.tbt_p99_s, join.tbt_p50_s) if join else None,
         f"{_ms(join.tbt_p99_s)} ms / {_ms(join.tbt_p50_s)} ms" if join else "-",
     ))  # fmt: skip
@@ -131,7 +131,7 @@ def join_table(result: GenerateResult) -> list[str]:
     if not rows:
         return []
     lines = [
-        "## One stream while a 1,024-token prompt joins",
+        f"## One stream while a {o.join_prompt_tokens:,}-token prompt joins",
         "",
         f"One stream ({o.join_first_max_tokens} new tokens from a 64-token prompt); once it "
         f"has {o.join_after_tokens} tokens, a request with a {o.join_prompt_tokens}-token "
@@ -246,7 +246,9 @@ def peer_notes(result: GenerateResult) -> list[str]:
         "vllm": f"`vllm`: vLLM's CPU build in its own environment ({result.vllm_env or '-'}), "
         f"its OpenAI server at its defaults but `--dtype float32`, with "
         f"`VLLM_CPU_KVCACHE_SPACE={o.vllm_kv_cache_gib:g}`; `max_num_seqs` "
-        f"{', '.join(map(str, o.vllm_max_num_seqs)) or '(none)'} tried on the highest level.",
+        f"{', '.join(map(str, o.vllm_max_num_seqs)) or '(none)'} tried on the highest level "
+        "(its default is 128 on a CPU: any value at or above a level's streams is the default "
+        "there).",
         "batchfit": "`batchfit`: `batchfit serve --task generate` "
         f"{' '.join(o.batchfit_flags)}".rstrip()
         + ".",
