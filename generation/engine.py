@@ -28,6 +28,7 @@ from batching import (
 )
 from models import DeviceError, Generator, ModelOutOfMemory, SeqChunk, StepRequest, StepResult
 
+from .ceiling import StepCeiling
 from .metrics import ModelGenerationMetrics
 from .scheduler import StepBudget, StepPlan, schedule
 from .sequence import SeqState, Sequence, SequenceSpec
@@ -89,6 +90,8 @@ class GenerationEngine:
         self.cache_bytes = 0
         """What the store held after the latest step."""
         self.time_model = StepTimeModel()
+        self.ceiling = StepCeiling()
+        """Lowered by an OOM inside a step, raised back by clean steps."""
         self.healthy = True
         self.num_steps = 0
         self.stopped = False
@@ -233,10 +236,12 @@ class GenerationEngine:
             room = reading.free_bytes * (1 - config.headroom_fraction) - reserve
             limit = max(0.0, self.cache_bytes + room)
             self.metrics.cache_budget_bytes.set(limit)
+        ceiling = self.ceiling
+        step_tokens = min(config.max_step_tokens, ceiling.max_tokens or config.max_step_tokens)
         return StepBudget(
-            max_running=config.max_running,
-            max_step_tokens=config.max_step_tokens,
-            max_prefill_tokens=min(prefill, config.max_step_tokens),
+            max_running=min(config.max_running, ceiling.max_sequences or config.max_running),
+            max_step_tokens=step_tokens,
+            max_prefill_tokens=min(prefill, step_tokens),
             bytes_per_token=self.model.cache_bytes_per_token,
             cache_bytes=limit,
             now=now,
@@ -282,6 +287,7 @@ class GenerationEngine:
         try:
             result = await future
         except ModelOutOfMemory as exc:
+            self.ceiling.out_of_memory(len(request.chunks), request.num_tokens)
             self._out_of_memory(stepped, exc)
             return []
         except DeviceError:
@@ -299,6 +305,10 @@ class GenerationEngine:
         self.cache_bytes = result.cache_bytes
         self.metrics.cache_bytes.set(result.cache_bytes)
         if request.chunks:
+            self.ceiling.ran(
+                len(request.chunks), request.num_tokens, max_running=self.config.max_running,
+                max_step_tokens=self.config.max_step_tokens,
+            )  # fmt: skip
             self.time_model.observe(request.num_tokens, len(request.chunks), elapsed)
             self.metrics.step_tokens.observe(request.num_tokens)
             self.metrics.step_duration.observe(elapsed)
