@@ -2,6 +2,7 @@
 
     python -m scripts.gpu_check storm      --device cuda --work DIR
     python -m scripts.gpu_check throughput --device cuda --work DIR
+    python -m scripts.gpu_check generate   --device cuda --work DIR
     python -m scripts.gpu_check summary    --work DIR --out DIR --status tests=0 ...
 
 With ``--device cpu`` (the dry run) each step runs its CPU counterpart at small sizes.
@@ -35,6 +36,9 @@ BERT_LARGE = {
     "max_position_embeddings": 512,
 }
 STEPS = ("tests", "storm", "throughput", "workers")
+GENERATE = "generate"
+"""The generation step: ``gpu_check.sh --generate`` runs it alone, in a call of its own (the
+four steps above fill one 10-minute call)."""
 
 
 def guarded(run: Callable[..., dict[str, Any]], plan: Any, *args: Any) -> dict[str, Any]:
@@ -104,6 +108,23 @@ def workers(device: str, work: Path) -> bool:
     return all(run["passed"] for run in runs)
 
 
+def generate(device: str, work: Path) -> bool:
+    from .gpu_generate import generate_step
+
+    try:
+        figures = generate_step(device, work)
+    except Exception as exc:
+        logging.exception("generate failed")
+        figures = {"error": f"{type(exc).__name__}: {exc}"[:2000], "passed": False}
+    write_json(work / "generate.json", figures)
+    return bool(figures["passed"])
+
+
+def checked_steps(status: dict[str, int]) -> tuple[str, ...]:
+    """The steps a run must pass: the four, or the generation step where it ran (alone)."""
+    return (GENERATE,) if GENERATE in status else STEPS
+
+
 def _read(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -131,8 +152,9 @@ def summary(work: Path, out: Path, status: dict[str, int], dry_run: bool, device
         "storm": _read(work / "storm.json"),
         "throughput": _read(work / "throughput.json"),
         "workers": _read(work / "workers.json"),
+        "generate": _read(work / "generate.json"),
     }
-    results["passed"] = all(status.get(step) == 0 for step in STEPS)
+    results["passed"] = all(status.get(step) == 0 for step in checked_steps(status))
     write_json(out / "results.json", results)
     (out / "summary.md").write_text(markdown(results, device))
     return results["passed"]
@@ -151,12 +173,14 @@ def markdown(results: dict[str, Any], device: str) -> str:
         "| --- | --- |",
         *(
             f"| {s} | {'passed' if status.get(s) == 0 else f'FAILED ({status.get(s)})'} |"
-            for s in STEPS
+            for s in checked_steps(status)
         ),
         "",
-        "## 1. `pytest -m gpu`",
-        "",
+        *generate_markdown(results.get("generate")),
     ]
+    if GENERATE in status:  # the generation step runs alone
+        return "\n".join(lines) + "\n"
+    lines += ["## 1. `pytest -m gpu`", ""]
     for name, figures in sorted((results.get("tests") or {}).items()):
         shown = (f"{k} {_num(v, '.4g') if isinstance(v, float) else v}" for k, v in figures.items())
         lines.append(f"- `{name}`: " + ", ".join(shown))
@@ -227,9 +251,46 @@ def markdown(results: dict[str, Any], device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def generate_markdown(figures: dict[str, Any] | None) -> list[str]:
+    if not figures:
+        return []
+    lines = ["## 5. Generation: batchfit against the limit", ""]
+    if "error" in figures:
+        return [*lines, f"The step broke: {figures['error']}", ""]
+    lines += [f"{figures['model']}, {figures['dtype']} on {figures['device']}; the whole "
+              "report is `generate/report.md` in the logs.", "",
+              "| streams | batchfit output tokens/s | limit output tokens/s | ratio "
+              "| TTFT p50 / p99 ms | TBT p50 / p99 ms | errors |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    for level in (figures.get("batchfit") or {}).get("levels", []):
+        limit = figures["limit"].get(f"c={level['concurrency']}", {}).get("output_tokens_per_s")
+        ours = level["output_tokens_per_s"]
+        lines.append(
+            f"| {level['concurrency']} | {_num(ours)} | {_num(limit)} "
+            f"| {_num(ours / limit if ours is not None and limit else None, '.2f')} "
+            f"| {_num(_ms(level['ttft_p50_s']), '.0f')} / {_num(_ms(level['ttft_p99_s']), '.0f')} "
+            f"| {_num(_ms(level['tbt_p50_s']), '.1f')} / {_num(_ms(level['tbt_p99_s']), '.1f')} "
+            f"| {level['errors'] or 0} |"
+        )
+    lines += ["", "| ratio | value | figures |", "| --- | ---: | --- |"]
+    for ratio in figures["ratios"]:
+        value = "n/a" if ratio["value"] is None else f"{ratio['value']:.2f}"
+        lines.append(f"| {ratio['name']} | {value} | {ratio['detail']} |")
+    batchfit = figures.get("batchfit") or {}
+    if batchfit.get("error"):
+        lines += ["", f"batchfit failed: {batchfit['error'].splitlines()[0]}"]
+    return [*lines, ""]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check")
-    parser.add_argument("step", choices=("machine", "storm", "throughput", "workers", "summary"))
+    parser.add_argument(
+        "step", choices=("machine", "storm", "throughput", "workers", GENERATE, "summary")
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--out", type=Path)
@@ -247,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if throughput(args.device, args.work) else 1
     if args.step == "workers":
         return 0 if workers(args.device, args.work) else 1
+    if args.step == GENERATE:
+        return 0 if generate(args.device, args.work) else 1
     status = {k: int(v) for k, v in (item.split("=", 1) for item in args.status)}
     return 0 if summary(args.work, args.out, status, args.dry_run, args.device) else 1
 
