@@ -2,10 +2,12 @@
 
 import json
 import math
+import os
 
 import pytest
 
 from bench.generate.client import JoinOutcome, StreamOutcome
+from bench.generate.host import host_busy_seconds
 from bench.generate.report import ratios, render_markdown, write_report
 from bench.generate.runner import GenerateResult, PeerResult, quick_options
 from bench.generate.stats import summarize_join, summarize_level, window_gaps
@@ -143,3 +145,9 @@ def test_the_report_has_a_table_per_level_the_failures_and_json_without_nan(tmp_
     assert len(data["ratios"]) == 7
     assert data["peers"][0]["levels"][1]["ttft_p50_s"] is None  # NaN in the summary
     assert "| naive | 0.0 | - | - |" in text
+
+
+def test_the_host_is_busy_in_every_state_but_idle_and_io_wait():
+    stat = "cpu  100 10 50 1000 30 5 5 2 0 0\ncpu0 50 5 25 500 15 2 3 1 0 0\n"
+    assert host_busy_seconds(stat) == pytest.approx(172 / os.sysconf("SC_CLK_TCK"))
+    assert math.isnan(host_busy_seconds("nonsense"))

@@ -31,6 +31,8 @@ class GenerateOptions:
     drain_s: float = 60.0
     """... and cuts the streams still open this much later."""
     request_timeout_s: float = 600.0
+    quiet_wait_s: float = 60.0
+    """Before each level, wait up to this long for other work on the host to settle."""
     join_trials: int = 3
     join_prompt_tokens: int = 1024
     join_max_tokens: int = 32
@@ -91,6 +93,7 @@ def quick_options(**overrides: object) -> GenerateOptions:
         "join_after_tokens": 4,
         "join_first_max_tokens": 48,
         "vllm_max_num_seqs": (),
+        "quiet_wait_s": 10.0,
         "spec": GenerateSpec(max_prompt_tokens=256, min_new_tokens=8, max_new_tokens=32),
         "quick": True,
     }

@@ -93,8 +93,8 @@ def level_table(result: GenerateResult, concurrency: int) -> list[str]:
         f"### {concurrency} stream{'s' if concurrency > 1 else ''}",
         "",
         "| peer | output tokens/s | TTFT p50 ms | TTFT p99 ms | TBT p50 ms | TBT p99 ms "
-        "| TBT max ms | requests | ok | cut | errors | tokens | wall s |",
-        "| --- |" + " ---: |" * 9 + " --- | ---: | ---: |",
+        "| TBT max ms | requests | ok | cut | errors | tokens | wall s | other CPUs |",
+        "| --- |" + " ---: |" * 9 + " --- | ---: | ---: | ---: |",
     ]
     limit = result.limit.get(f"c={concurrency}")
     if limit is not None and "error" not in limit:
@@ -102,21 +102,23 @@ def level_table(result: GenerateResult, concurrency: int) -> list[str]:
             f"| limit (in-process, all at once) | {_num(limit['output_tokens_per_s'])} "  # type: ignore[arg-type]
             f"| n/a | n/a | n/a | n/a | n/a | {limit['num_requests']} "
             f"| {limit['num_requests'] - limit['errors']} | 0 | {limit['errors']} "  # type: ignore[operator]
-            f"| {limit['output_tokens']} | {_num(limit['wall_s'])} |"  # type: ignore[arg-type]
+            f"| {limit['output_tokens']} | {_num(limit['wall_s'])} "  # type: ignore[arg-type]
+            f"| {_num(result.limit_other_cpus, 2)} |"
         )
     elif limit is not None:
-        lines.append(f"| limit | failed: {_cell(str(limit['error']))} |" + " |" * 11)
+        lines.append(f"| limit | failed: {_cell(str(limit['error']))} |" + " |" * 12)
     for peer in [*result.peers, *result.vllm_sweep]:
         s = peer.level(concurrency)
         if s is None:
             if peer.error and peer in result.peers:
-                lines.append(f"| {peer.name} | failed (below) |" + " |" * 11)
+                lines.append(f"| {peer.name} | failed (below) |" + " |" * 12)
             continue
         lines.append(
             f"| {peer.name} | {_num(s.output_tokens_per_s)} | {_ms(s.ttft_p50_s)} "
             f"| {_ms(s.ttft_p99_s)} | {_ms(s.tbt_p50_s)} | {_ms(s.tbt_p99_s)} "
             f"| {_ms(s.tbt_max_s)} | {s.num_requests} | {s.num_ok} | {s.num_cut} "
-            f"| {_errors(s)} | {s.completion_tokens} | {_num(s.wall_s)} |"
+            f"| {_errors(s)} | {s.completion_tokens} | {_num(s.wall_s)} "
+            f"| {_num(s.other_cpus, 2)} |"
         )
     return [*lines, ""]
 
@@ -142,8 +144,8 @@ def join_table(result: GenerateResult) -> list[str]:
         "the max. 'alone' is the first stream's TBT p50 before the join.",
         "",
         "| peer | TBT p50 ms | TBT p99 ms | TBT max ms | p99 / p50 | gaps | joining TTFT p50 ms "
-        "| alone TBT p50 ms | errors |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| alone TBT p50 ms | errors | other CPUs |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for peer in rows:
         j = peer.join
@@ -152,7 +154,7 @@ def join_table(result: GenerateResult) -> list[str]:
         lines.append(
             f"| {peer.name} | {_ms(j.tbt_p50_s)} | {_ms(j.tbt_p99_s)} | {_ms(j.tbt_max_s)} "
             f"| {_num(j.p99_over_p50, 2)} | {j.num_gaps} | {_ms(j.join_ttft_p50_s)} "
-            f"| {_ms(j.alone_tbt_p50_s)} | {errors} |"
+            f"| {_ms(j.alone_tbt_p50_s)} | {errors} | {_num(j.other_cpus, 2)} |"
         )
     return [*lines, ""]
 
@@ -196,7 +198,11 @@ def render_markdown(result: GenerateResult, *, command: str) -> str:
         "Output tokens/s: every token received over the level's wall time. TTFT: send to the "
         "first token chunk. TBT: the gaps between a stream's token chunks (one token each "
         "with these peers), pooled over the level's streams. Each server is warmed up first "
-        "(6 short and long requests, two at a time) and runs alone.",
+        "(6 short and long requests, two at a time) and runs alone; before each level the "
+        f"benchmark waits up to {o.quiet_wait_s:g} s for the host's other work to settle. "
+        "'other CPUs': what work other than the peer and the benchmark took of the host's "
+        "CPUs during the level (from /proc/stat); figures taken beside much of it are not "
+        "the peer's alone.",
         "",
         "| level | requests | prompt tokens min / median / mean / max | max_tokens min / median "
         "/ mean / max | tokens asked |",
@@ -226,7 +232,7 @@ def render_markdown(result: GenerateResult, *, command: str) -> str:
         lines.append(f"| {r.name} | {_num(r.value, 2) if r.value is not None else 'n/a'} "
                      f"| {r.detail} |")  # fmt: skip
     failures = [p for p in [*result.peers, *result.vllm_sweep] if p.error]
-    if failures or result.limit_error:
+    if failures:
         lines += ["", "## Failures", ""]
         for p in failures:
             lines += [f"**{p.name}**:", "", "```", p.error or "", "```", ""]

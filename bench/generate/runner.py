@@ -18,6 +18,7 @@ from .client import (
     join_run,
     served_model,
 )
+from .host import OtherLoad, tree_cpu_seconds, wait_for_quiet
 from .limit import measure_limit
 from .options import GenerateOptions, Workload, build_workload, quick_options
 from .peers import (
@@ -59,7 +60,8 @@ class GenerateResult:
     workload: dict[str, object]
     peers: list[PeerResult] = field(default_factory=list)
     limit: dict[str, dict[str, object]] = field(default_factory=dict)
-    limit_error: str | None = None
+    limit_other_cpus: float = float("nan")
+    """CPUs other work on the host took while the limit ran (its loading included)."""
     vllm_sweep: list[PeerResult] = field(default_factory=list)
     vllm_env: str = ""
     started_at: str = ""
@@ -128,10 +130,14 @@ def _run_limit(
     sets = {f"c={c}": workload.levels[c] for c in options.levels_for_limit()
             if c in workload.levels}  # fmt: skip
     log_dir.mkdir(parents=True, exist_ok=True)
+    other = OtherLoad()
+    wait_for_quiet(other, max_wait_s=options.quiet_wait_s)
+    other.start()
     timeout_s = 120 + len(sets) * (options.max_level_s + options.drain_s) * 2
     result.limit = measure_limit(folder, sets, workload.warm_up[:2], timeout_s=timeout_s,
                                  log_path=log_dir / "limit.log", device=options.limit_device,
                                  dtype=options.limit_dtype)  # fmt: skip
+    result.limit_other_cpus = other.stop()
     for label, figure in result.limit.items():
         if "error" in figure:
             progress(f"limit {label}: {figure['error']}")
@@ -233,31 +239,40 @@ def _measure(
         first = failed[0]
         raise PeerError(f"every warm-up request failed, the first with status {first.status}: "
                         f"{first.error}\n{server.log_tail(8)}")  # fmt: skip
+    other = OtherLoad(lambda: tree_cpu_seconds(server.process.pid))
     for c in levels:
         requests = workload.levels[c]
+        quiet = wait_for_quiet(other, max_wait_s=options.quiet_wait_s)
+        if quiet > 0.25:
+            progress(f"other work takes {quiet:.2f} CPUs of the host; measuring all the same")
+        other.start()
         run = asyncio.run(closed_loop_streams(
             server.url, bodies(requests), concurrency=c, max_duration_s=options.max_level_s,
             drain_s=options.drain_s, timeout_s=options.request_timeout_s))  # fmt: skip
+        other_cpus = other.stop()
         summary = summarize_level(
             peer.name, c, run.outcomes, run.wall_s,
             max_tokens=[r.max_tokens for r in requests],
             prompt_tokens=[r.num_prompt_tokens for r in requests],
+            other_cpus=other_cpus,
         )  # fmt: skip
         peer.levels.append(summary)
         progress(
             f"{peer.name} c={c}: {summary.output_tokens_per_s:.1f} output tokens/s, TTFT p50 "
             f"{summary.ttft_p50_s * 1e3:.0f} ms, TBT p50 {summary.tbt_p50_s * 1e3:.0f} ms, "
             f"{summary.num_ok}/{summary.num_requests} ok, cut {summary.num_cut}, "
-            f"errors {summary.errors or 'none'}"
+            f"errors {summary.errors or 'none'}, other work {other_cpus:.2f} CPUs"
         )
     if join and workload.joins:
+        wait_for_quiet(other, max_wait_s=options.quiet_wait_s)
+        other.start()
         trials = [
             asyncio.run(join_run(server.url, *bodies([first, joining]),
                                  join_after=options.join_after_tokens,
                                  timeout_s=options.request_timeout_s))
             for first, joining in workload.joins
         ]  # fmt: skip
-        peer.join = summarize_join(peer.name, trials)
+        peer.join = summarize_join(peer.name, trials, other_cpus=other.stop())
         progress(
             f"{peer.name} join: TBT p50 {peer.join.tbt_p50_s * 1e3:.0f} ms, p99 "
             f"{peer.join.tbt_p99_s * 1e3:.0f} ms over {peer.join.num_gaps} gaps"

@@ -39,6 +39,9 @@ class GenLevelSummary:
     tbt_p99_s: float
     tbt_max_s: float
     mean_prompt_tokens: float
+    other_cpus: float = math.nan
+    """CPUs that other work on the host took during the level (neither the peer nor the
+    benchmark): figures taken beside much of it are not the peer's alone."""
 
     def to_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -58,6 +61,7 @@ def summarize_level(
     *,
     max_tokens: Sequence[int],
     prompt_tokens: Sequence[int],
+    other_cpus: float = math.nan,
 ) -> GenLevelSummary:
     """TTFT over the streams that got a token; TBT over every gap of every stream (finished
     or cut); tokens/s counts every token received over the level's wall time.
@@ -86,6 +90,7 @@ def summarize_level(
         tbt_p99_s=percentile(gaps, 99),
         tbt_max_s=max(gaps, default=math.nan),
         mean_prompt_tokens=sum(sent_prompts) / len(sent_prompts) if sent_prompts else math.nan,
+        other_cpus=other_cpus,
     )
 
 
@@ -110,6 +115,7 @@ class JoinSummary:
     alone_tbt_p50_s: float
     """The first stream's time between tokens before the long prompt was sent."""
     errors: dict[str, int] = field(default_factory=dict)
+    other_cpus: float = math.nan
 
     @property
     def p99_over_p50(self) -> float:
@@ -136,7 +142,9 @@ def window_gaps(trial: JoinOutcome) -> tuple[list[float], list[float]]:
     return inside, before
 
 
-def summarize_join(peer: str, trials: Sequence[JoinOutcome]) -> JoinSummary:
+def summarize_join(
+    peer: str, trials: Sequence[JoinOutcome], *, other_cpus: float = math.nan
+) -> JoinSummary:
     inside: list[float] = []
     before: list[float] = []
     ttfts: list[float] = []
@@ -162,4 +170,5 @@ def summarize_join(peer: str, trials: Sequence[JoinOutcome]) -> JoinSummary:
         join_ttft_p50_s=percentile(ttfts, 50),
         alone_tbt_p50_s=percentile(before, 50),
         errors=dict(errors),
+        other_cpus=other_cpus,
     )
