@@ -313,6 +313,10 @@ class EngineHost:
             number = header[0]
             watch = worker.open[number] = ConnectionWatch()
             self._spawn_task(self._infer(worker, header, frames[0], watch))
+        elif kind == wire.GENERATE:
+            number = header[0]
+            watch = worker.open[number] = ConnectionWatch()
+            self._spawn_task(self._generate(worker, header, frames[0], watch))
         elif kind == wire.CANCEL:
             watch = worker.open.get(header[0])
             if watch is not None:
@@ -367,6 +371,36 @@ class EngineHost:
         except Exception as exc:
             self._send(worker, wire.ERROR, _error_detail(number, to_api_error(exc)))
         finally:
+            worker.open.pop(number, None)
+
+    async def _generate(
+        self, worker: WorkerProcess, header: Any, specs_frame: bytes, watch: ConnectionWatch,
+    ) -> None:  # fmt: skip
+        """Admit a generation request and send its events on as they come: each batch read
+        from its stream (one step's events for it travel together) as one ``TOKENS``, then
+        ``END``. A ``CANCEL`` (or the API process gone) loses ``watch``: its sequences are
+        cancelled and the stream fails with ``ClientDisconnected``."""
+        number, model, priority, timeout_s = header
+        run = None
+        try:
+            run = self.runtime.generate(
+                wire.loads(specs_frame), model=model, priority=priority, timeout_s=timeout_s,
+                client=watch,
+            )  # fmt: skip
+            while True:
+                try:
+                    events = await run.next_events()
+                except EOFError:
+                    self._send(worker, wire.END, (number,))
+                    return
+                self._send(worker, wire.TOKENS, (number,), wire.dumps(events))
+        except ClientDisconnected:
+            pass  # the API process has ended it already
+        except Exception as exc:
+            self._send(worker, wire.ERROR, _error_detail(number, to_api_error(exc)))
+        finally:
+            if run is not None:
+                run.close()
             worker.open.pop(number, None)
 
     def _greeted(self) -> list[WorkerProcess]:

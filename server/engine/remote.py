@@ -6,11 +6,15 @@ limit) and sent as items; the answer's future ends on the engine's result or err
 deadline (with a grace for the engine's own answer), the client going away, or the engine
 process going away (503 ``engine_unavailable`` at once: its end of our stdin closes). The
 deadline counts from the request's arrival here: the engine is given what is left of it.
+
+A generation request's tokens come back as they are generated (``RemoteGeneration``): one
+``TOKENS`` message per batch of events the engine read from its stream, then ``END``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -23,6 +27,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from batching import ModelThread
+from generation import SequenceSpec, TokenEvent
 from models import ModelInfo, ProfileStatus
 
 from ..errors import ApiError, deadline_exceeded, draining, model_not_found, not_ready
@@ -91,6 +96,120 @@ class QueueDepth:
         return self.depth
 
 
+class RemoteGeneration:
+    """One generation request sent to the engine, as ``GenerationRun`` to the routes: its
+    events as they come (``TOKENS``), until the engine's ``END`` or an error: the engine's
+    (``ERROR``), the client gone, no first event ``DEADLINE_GRACE_S`` past the deadline, or
+    the engine lost. ``close`` it when done: the engine is told to cancel what still runs."""
+
+    def __init__(self, runtime: RemoteRuntime, number: int, model: str) -> None:
+        self.model = model
+        self.number = number
+        self._runtime = runtime
+        self._events: collections.deque[TokenEvent] = collections.deque()
+        self._error: BaseException | None = None
+        self._ended = False  # every event is in (END): next_events says EOFError after them
+        self._waiter: asyncio.Future[None] | None = None
+        self._sent = False
+        self._engine_done = False  # the engine has forgotten it (END, ERROR, or our CANCEL)
+        self._timer: asyncio.TimerHandle | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+        self._closed = False
+
+    def start(
+        self, specs: Sequence[SequenceSpec], *, priority: int, timeout_s: float,
+        client: ClientWatch | None,
+    ) -> None:  # fmt: skip
+        # NOTE: as ``_call``: a client gone already fails the run here, and the engine hears
+        # nothing of it.
+        if client is not None:
+            self._unsubscribe = client.subscribe(lambda: self.fail(ClientDisconnected()))
+        if self._error is not None:
+            return
+        self._runtime._send(
+            wire.GENERATE, (self.number, self.model, priority, timeout_s), wire.dumps(list(specs))
+        )
+        self._sent = True
+        # Only the first event has a deadline: a generation may then run for minutes.
+        self._timer = asyncio.get_running_loop().call_later(
+            timeout_s + DEADLINE_GRACE_S,
+            self.fail, ApiError(504, "deadline_exceeded", _ENGINE_LATE),
+        )  # fmt: skip
+
+    # -- from the engine -----------------------------------------------------------------
+
+    def put(self, events: list[TokenEvent]) -> None:
+        self._heard()
+        if self._error is None and not self._ended:
+            self._events.extend(events)
+            self._wake()
+
+    def end(self, error: BaseException | None = None) -> None:
+        """The engine's ``END`` (None) or ``ERROR``."""
+        self._heard()
+        self._engine_done = True
+        if error is not None:
+            self.fail(error)
+        elif self._error is None:
+            self._ended = True
+            self._wake()
+
+    def _heard(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # -- ends here -----------------------------------------------------------------------
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` after the events already in it; the engine is told
+        to cancel (where it is still there to hear it)."""
+        if self._error is not None or self._ended:
+            return
+        self._error = error
+        self._heard()
+        self._cancel()
+        self._wake()
+
+    def _cancel(self) -> None:
+        if self._sent and not self._engine_done:
+            self._engine_done = True  # it ignores a CANCEL for a number it has forgotten
+            self._runtime._send(wire.CANCEL, (self.number,))
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next_events(self) -> list[TokenEvent]:
+        """As ``RequestStream.next_events``: every event waiting (at least one); the error
+        once the events before it are read; ``EOFError`` at the end."""
+        while not self._events:
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                raise EOFError
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def close(self) -> None:
+        """Done with it: the engine cancels any sequence that still runs."""
+        if self._closed:
+            return
+        self._closed = True
+        self._heard()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        self._cancel()
+        self._runtime._generations.pop(self.number, None)
+
+
 class RemoteRuntime:
     def __init__(
         self,
@@ -124,6 +243,7 @@ class RemoteRuntime:
         self.engine_lost = False
         self._numbers = itertools.count()
         self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._generations: dict[int, RemoteGeneration] = {}
         self._tokenizer = ModelThread("batchfit-tokenize")
         self._inferring = 0  # inference requests in progress here
         self._heard: asyncio.Event | None = None
@@ -229,7 +349,7 @@ class RemoteRuntime:
         if self._stopping or self.engine_lost:
             return
         log.error("the engine process is gone; failing %d requests and stopping",
-                  len(self._pending))  # fmt: skip
+                  len(self._pending) + len(self._generations))  # fmt: skip
         self.engine_lost = True
         self._fail_pending(engine_gone())
         if self._heard is not None:  # a start-up waiting for the engine's first word ends,
@@ -240,6 +360,8 @@ class RemoteRuntime:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(error)
+        for run in list(self._generations.values()):
+            run.end(error)  # no cancel: the engine is not there to hear it
 
     # -- messages ------------------------------------------------------------------------
 
@@ -252,13 +374,23 @@ class RemoteRuntime:
             future = self._pending.get(header[0])
             if future is not None and not future.done():
                 future.set_result((header, frames))
+        elif kind == wire.TOKENS:
+            run = self._generations.get(header[0])
+            if run is not None:
+                run.put(wire.loads(frames[0]))
+        elif kind == wire.END:
+            run = self._generations.get(header[0])
+            if run is not None:
+                run.end()
         elif kind == wire.ERROR:
             number, status, error_type, message, retry_after_s = header
+            error = ApiError(status, error_type, message, retry_after_s=retry_after_s)
             future = self._pending.get(number)
             if future is not None and not future.done():
-                future.set_exception(
-                    ApiError(status, error_type, message, retry_after_s=retry_after_s)
-                )
+                future.set_exception(error)
+            run = self._generations.get(number)
+            if run is not None:
+                run.end(error)
         elif kind == wire.STATE:
             self._engine_ready, self._engine_draining, self.queue.depth, self._hung = header
             if self.slots:  # its silence is judged once the engine has loaded its models
@@ -288,7 +420,7 @@ class RemoteRuntime:
             asyncio.get_running_loop().create_task(self._stop_when_answered())
 
     async def _stop_when_answered(self) -> None:
-        while self._pending:
+        while self._pending or self._generations:
             await asyncio.sleep(0.01)
         self._on_exit(0)
 
@@ -407,3 +539,21 @@ class RemoteRuntime:
             self._inferring -= 1
         _, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits = header
         return wire.decode_outputs(meta, frames), tokens
+
+    def generate(
+        self, specs: Sequence[SequenceSpec], *, model: str, priority: int, timeout_s: float,
+        client: ClientWatch | None = None,
+    ) -> RemoteGeneration:  # fmt: skip
+        """As ``Runtime.generate``: sent to the engine, which admits it (its 429 comes from
+        the first ``next_events``) and sends its events back as they come."""
+        if self.engine_lost:
+            raise engine_gone()
+        if self.draining:
+            raise draining()
+        if not self.ready:
+            raise not_ready()
+        slot = self.slot(model)
+        number = next(self._numbers)
+        run = self._generations[number] = RemoteGeneration(self, number, slot.name)
+        run.start(specs, priority=priority, timeout_s=timeout_s, client=client)
+        return run

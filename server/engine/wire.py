@@ -7,7 +7,9 @@ length, its number of frames and each frame's length (``frame``), then the frame
 ``Unframer`` cuts a byte stream back into messages, however the reads split it. Inputs
 travel as the prepared items (token ids), pickled. Outputs that are equal-shaped float32
 vectors, as embedders return them, travel as one frame of their raw bytes; anything else (a
-classifier's labels, a custom model's lists) is pickled.
+classifier's labels, a custom model's lists) is pickled. A generation request travels as its
+sequences' specs, pickled; its tokens come back as they are generated, each ``TOKENS``
+message one batch of pickled events, then ``END`` (or ``ERROR``).
 
 Both ends are processes of one replica, started together from the same code, talking over
 a socket pair the engine made for each API process: pickle is safe here.
@@ -25,6 +27,7 @@ import numpy as np
 # Worker to engine.
 HELLO = b"hello"
 INFER = b"infer"
+GENERATE = b"generate"
 CANCEL = b"cancel"
 METRICS = b"metrics"
 SNAPSHOT = b"snapshot"
@@ -35,6 +38,8 @@ PROFILE = b"profile"
 MODELS = b"models"
 STATE = b"state"
 RESULT = b"result"
+TOKENS = b"tokens"
+END = b"end"
 ERROR = b"error"
 EXPOSITION = b"exposition"
 COLLECT = b"collect"
