@@ -509,6 +509,15 @@ class LauncherSettings(BaseSettings):
     nginx_cache_valid_s: int = Field(
         60, ge=1, description="How long Nginx keeps one cached answer."
     )
+    generation_read_timeout_s: int = Field(
+        3600,
+        ge=2,
+        description="How long Nginx waits for a replica's next bytes on /v1/completions and "
+        "/v1/chat/completions: the gap between two events of a stream, and the whole of a "
+        "non-streamed generation, whose answer comes after its last token (keep it above your "
+        "longest one: max_tokens over the slowest tokens/s). Never below the other routes' "
+        "read timeout (--max-timeout-s + 5 s).",
+    )
     ready_timeout_s: float = Field(
         300.0, gt=0, description="How long to wait for every replica to be ready."
     )

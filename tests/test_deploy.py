@@ -18,16 +18,21 @@ from fastapi.routing import iter_route_contexts
 
 from server import create_app
 from server.errors import ERROR_TYPES, NGINX
+from server.generate import router as generate_router
 from server.public_api import is_public_api, nginx_location_regex, public_api_routes
 from server.settings import LauncherSettings, Settings
 from server.supervise.nginx import (
+    CACHED_ROUTES,
     COMPOSE_CONFIG_PATH,
+    GENERATION_ROUTES,
     TEMPLATE_PATH,
     UPSTREAM_KEEP_ALIVE_S,
     UVICORN_KEEP_ALIVE_S,
     NginxConfig,
     check_config,
     compose_config,
+    exact_paths_regex,
+    generation_read_timeout_for,
     read_timeout_for,
     render,
 )
@@ -80,6 +85,23 @@ def uncommented(conf: str) -> str:
     return re.sub(r"^\s*#.*$", "", conf, flags=re.MULTILINE)
 
 
+# A location block of ours: its pattern, then its body up to the brace that closes it, alone on
+# a line at the server block's indentation (the error pages' bodies hold braces too).
+_LOCATION = re.compile(
+    r"^        location (?:~ |= |\^~ )?(\S+) \{\n(.*?)^        \}\n", re.S | re.M
+)
+
+
+def locations(conf: str) -> dict[str, str]:
+    """Every location block's body, by its pattern, in order."""
+    return {match.group(1): match.group(2) for match in _LOCATION.finditer(conf)}
+
+
+def server_level(conf: str) -> str:
+    """The config without its location blocks: what every location inherits."""
+    return _LOCATION.sub("", conf)
+
+
 def seconds(value: str) -> float:
     match = re.fullmatch(r"(\d+)(ms|s|m)?", value)
     assert match, value
@@ -116,7 +138,8 @@ def test_launcher_rendering_keeps_everything_under_its_prefix(tmp_path):
         (value,) = directive(conf, name)
         assert value.startswith(str(tmp_path)), (name, value)
     assert directive(conf, "client_max_body_size") == ["4096"]
-    assert directive(conf, "proxy_read_timeout") == ["70s"]
+    # No generation read timeout given: the generation routes wait as long as the others.
+    assert directive(conf, "proxy_read_timeout") == ["70s", "70s"]
     assert "rate=5r/s" in conf and "burst=7" in conf
     assert directive(conf, "server") == [
         "127.0.0.1:9001 max_fails=2 fail_timeout=5s", "127.0.0.1:9002 max_fails=2 fail_timeout=5s",
@@ -147,12 +170,12 @@ def test_failover_policy(nginx_conf):
     # Never on overload (429), nor on a replica's own deadline (504).
     assert not {"http_429", "http_504"} & set(conditions)
     assert directive(nginx_conf, "proxy_next_upstream_tries") == ["2"]
-    (retry_time,) = directive(nginx_conf, "proxy_next_upstream_timeout")
+    (retry_time,) = directive(server_level(nginx_conf), "proxy_next_upstream_timeout")
     assert 0 < seconds(retry_time) <= 60
     # `timeout` names the read timeout too, which must never be retried (a slow batch must
     # not run twice): the retry window is over before it fires, and after the connect timeout.
     (connect_timeout,) = directive(nginx_conf, "proxy_connect_timeout")
-    (read_timeout,) = directive(nginx_conf, "proxy_read_timeout")
+    (read_timeout,) = directive(server_level(nginx_conf), "proxy_read_timeout")
     assert seconds(connect_timeout) < seconds(retry_time) < seconds(read_timeout)
     # A hung replica's requests are retried once batchfit up has found and killed it.
     up = LauncherSettings()
@@ -168,19 +191,68 @@ def test_failover_policy(nginx_conf):
 
 
 @pytest.mark.parametrize("max_timeout_s", [0.5, 1, 20, 58, 300, 3600])
-def test_the_retry_window_ends_before_any_read_timeout(max_timeout_s):
+@pytest.mark.parametrize("asked_s", [2, 30, 3600, 7200])
+def test_the_retry_window_ends_before_any_read_timeout(max_timeout_s, asked_s):
+    """On the generation routes too, whatever --generation-read-timeout-s asks for."""
     read_timeout_s = read_timeout_for(max_timeout_s)
+    generation_s = generation_read_timeout_for(asked_s, max_timeout_s)
+    assert generation_s == max(asked_s, read_timeout_s)
     config = NginxConfig(
         upstreams=["127.0.0.1:1"], listen="127.0.0.1:2", max_body_bytes=1, rate_limit_rps=1,
-        rate_limit_burst=1, read_timeout_s=read_timeout_s,
+        rate_limit_burst=1, read_timeout_s=read_timeout_s, generation_read_timeout_s=generation_s,
     )  # fmt: skip
     conf = render(config)
-    (retry_time,) = directive(conf, "proxy_next_upstream_timeout")
     (connect_timeout,) = directive(conf, "proxy_connect_timeout")
-    assert seconds(connect_timeout) < seconds(retry_time) < read_timeout_s
-    assert seconds(retry_time) == min(60, read_timeout_s - 1)
+    generation = locations(conf)[exact_paths_regex(GENERATION_ROUTES)]
+    for scope, timeout_s in ((server_level(conf), read_timeout_s), (generation, generation_s)):
+        (read_timeout,) = directive(scope, "proxy_read_timeout")
+        (retry_time,) = directive(scope, "proxy_next_upstream_timeout")
+        assert seconds(read_timeout) == timeout_s
+        assert seconds(connect_timeout) < seconds(retry_time) < timeout_s
+        assert seconds(retry_time) == min(60, timeout_s - 1)
     with pytest.raises(ValueError, match="read_timeout_s must be at least 2"):
         dataclasses.replace(config, read_timeout_s=1)
+    with pytest.raises(ValueError, match=rf"generation_read_timeout_s \({read_timeout_s - 1}\)"):
+        dataclasses.replace(config, generation_read_timeout_s=read_timeout_s - 1)
+
+
+def test_generation_routes_stream_unbuffered_with_a_long_read_timeout(nginx_conf):
+    """The stream's events go out as the replica writes them (no buffering, cache or gzip);
+    the read timeout outlasts a long non-streamed generation, the default of batchfit up's
+    --generation-read-timeout-s; the retries are the server's, ending long before it."""
+    blocks = locations(nginx_conf)
+    generation = blocks[exact_paths_regex(GENERATION_ROUTES)]
+    assert directive(generation, "proxy_buffering") == ["off"]
+    assert directive(generation, "proxy_cache") == ["off"]
+    assert directive(generation, "gzip") == ["off"]
+    assert directive(generation, "proxy_pass") == ["http://batchfit_replicas"]
+    (read_timeout,) = directive(generation, "proxy_read_timeout")
+    (embedding_read_timeout,) = directive(server_level(nginx_conf), "proxy_read_timeout")
+    default_s = LauncherSettings.model_fields["generation_read_timeout_s"].default
+    assert seconds(read_timeout) == default_s >= 3600 > seconds(embedding_read_timeout)
+    # Inherited from the server: the retry conditions, the headers (an add_header here would
+    # drop X-Request-ID) and the rate limit.
+    for inherited in ("proxy_next_upstream", "proxy_next_upstream_tries", "add_header",
+                      "proxy_set_header", "limit_req", "proxy_intercept_errors"):  # fmt: skip
+        assert directive(generation, inherited) == [], inherited
+    (retry_time,) = directive(generation, "proxy_next_upstream_timeout")
+    up = LauncherSettings()
+    found_s = up.liveness_failures * (up.liveness_period_s + up.liveness_timeout_s)
+    assert found_s < seconds(retry_time) < seconds(read_timeout)
+    # Nginx takes the first regex location that matches: the generation routes' comes before
+    # the one for the rest of the API; the output cache keeps to the embedding routes.
+    order = list(blocks)
+    assert order.index(exact_paths_regex(GENERATION_ROUTES)) < order.index(nginx_location_regex())
+    assert not set(GENERATION_ROUTES) & set(CACHED_ROUTES)
+    assert directive(server_level(nginx_conf), "proxy_buffering") == []
+
+
+def test_generation_read_timeout_is_never_below_the_other_routes():
+    assert generation_read_timeout_for(60, 300) == read_timeout_for(300) == 305
+    assert generation_read_timeout_for(3600, 300) == 3600
+    assert generation_read_timeout_for(3600, 7200) == 7205
+    with pytest.raises(ValueError, match="greater than or equal to 2"):
+        LauncherSettings(generation_read_timeout_s=1)
 
 
 def test_limits_errors_and_routes(nginx_conf):
@@ -217,12 +289,19 @@ def test_nginx_answers_only_registered_error_types(nginx_conf):
 
 
 def test_nginx_routes_exactly_the_public_api(nginx_conf):
-    """One location sends paths to the replicas, and its pattern matches what
-    server/public_api.py calls the public API: every route under /v1 and /v2 the app serves,
-    none of the operator routes."""
-    routed = re.findall(r"location (~ |= |\^~ )?(\S+) \{\s*proxy_pass", nginx_conf)
-    assert routed == [("~ ", nginx_location_regex())]
-    pattern = re.compile(routed[0][1])
+    """Two locations send paths to the replicas: the generation routes', then one whose
+    pattern matches what server/public_api.py calls the public API: every route under /v1
+    and /v2 the app serves, none of the operator routes."""
+    routed = [pattern for pattern, body in locations(nginx_conf).items() if "proxy_pass" in body]
+    assert routed == [exact_paths_regex(GENERATION_ROUTES), nginx_location_regex()]
+    assert re.findall(r"location (~ |= |\^~ )?\S+ \{", nginx_conf).count("~ ") == 2
+    generation = re.compile(routed[0])
+    served = {route.path for route in generate_router.routes}
+    assert served == set(GENERATION_ROUTES)
+    for path in [*served, "/v1/completions/", "/v1/chat/completionsx", "/v1/chat",
+                 "/v2/completions", "/v1/embeddings", "/x/v1/completions"]:  # fmt: skip
+        assert bool(generation.search(path)) == (path in served), path
+    pattern = re.compile(routed[1])
     app = create_app(Settings())
     app_paths = [route.path for route in iter_route_contexts(app.routes) if route.path]
     public = {route.path for route in public_api_routes(app)}

@@ -23,7 +23,14 @@ import yaml
 from bench.servers import free_port
 from server import Settings, create_app
 from server.public_api import PUBLIC_API_PREFIXES, is_public_api, public_api_routes
-from server.supervise.nginx import TEMPLATE_PATH, read_timeout_for, retry_window_for
+from server.settings import LauncherSettings
+from server.supervise.nginx import (
+    GENERATION_ROUTES,
+    TEMPLATE_PATH,
+    generation_read_timeout_for,
+    read_timeout_for,
+    retry_window_for,
+)
 from tests.ci import unavailable
 from tests.servers import run_server
 
@@ -220,8 +227,12 @@ def test_a_hung_pod_is_killed_while_the_ingress_may_still_retry_its_requests(ove
     assert (
         pre_stop_s < probe["terminationGracePeriodSeconds"] < pod["terminationGracePeriodSeconds"]
     )
-    annotations = find(docs, "Ingress")["metadata"]["annotations"]
-    assert killed_s < int(annotations["nginx.ingress.kubernetes.io/proxy-next-upstream-timeout"])
+    ingresses = [doc for doc in docs if doc["kind"] == "Ingress"]
+    assert len(ingresses) == 2  # the generation routes' too
+    for ingress in ingresses:
+        annotations = ingress["metadata"]["annotations"]
+        window_s = int(annotations["nginx.ingress.kubernetes.io/proxy-next-upstream-timeout"])
+        assert killed_s < window_s, ingress["metadata"]["name"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -275,8 +286,8 @@ def test_ingress_has_the_nginx_policy():
     template = TEMPLATE_PATH.read_text()
 
     def directive(name: str) -> str:
-        (value,) = re.findall(rf"^\s*{name}\s+([^;]+);", template, re.MULTILINE)
-        return value
+        """The server block's value (the generation location may set its own after it)."""
+        return re.findall(rf"^\s*{name}\s+([^;]+);", template, re.MULTILINE)[0]
 
     assert int(annotations[prefix + "proxy-body-size"]) == settings.max_body_bytes
     assert int(annotations[prefix + "proxy-read-timeout"]) == read_timeout_for(
@@ -292,6 +303,48 @@ def test_ingress_has_the_nginx_policy():
         read_timeout_s
     )
     assert directive("proxy_next_upstream_timeout") == "{{retry_window_s}}s"
+
+
+GENERATION_INGRESS = "batchfit-generation"
+
+
+def test_generation_ingress_streams_unbuffered_with_the_nginx_policy():
+    """The generation routes, on an Ingress of their own (ingress-nginx's annotations apply to
+    a whole Ingress): unbuffered, with the local Nginx's long read timeout for them, and the
+    same body size and retries as the other routes, the window ending before that timeout."""
+    docs = render("gpu")
+    prefix = "nginx.ingress.kubernetes.io/"
+    main = find(docs, "Ingress")
+    generation = find(docs, "Ingress", GENERATION_INGRESS)
+    ours = generation["metadata"]["annotations"]
+    theirs = main["metadata"]["annotations"]
+    assert ours[prefix + "proxy-buffering"] == "off"
+    settings = Settings()
+    read_timeout_s = int(ours[prefix + "proxy-read-timeout"])
+    assert read_timeout_s == generation_read_timeout_for(
+        LauncherSettings().generation_read_timeout_s, settings.max_timeout_s
+    )
+    assert read_timeout_s >= 3600 > int(theirs[prefix + "proxy-read-timeout"])
+    assert int(ours[prefix + "proxy-next-upstream-timeout"]) == retry_window_for(read_timeout_s)
+    for name in ("proxy-body-size", "proxy-send-timeout", "proxy-next-upstream",
+                 "proxy-next-upstream-tries"):  # fmt: skip
+        assert ours[prefix + name] == theirs[prefix + name], name
+    # Nothing that would hold a stream back or answer it from elsewhere.
+    assert not {name for name in ours if re.search("snippet|cache|gzip", name)}
+    assert set(ours) - set(theirs) == {prefix + "proxy-buffering"}
+    # Exactly the generation routes, as Exact paths on the other Ingress's hosts and Service.
+    (rule,) = generation["spec"]["rules"]
+    assert [r["host"] for r in main["spec"]["rules"]] == [rule["host"]]
+    assert generation["spec"]["ingressClassName"] == main["spec"]["ingressClassName"]
+    paths = rule["http"]["paths"]
+    assert [(p["path"], p["pathType"]) for p in paths] == [
+        (route, "Exact") for route in GENERATION_ROUTES
+    ]
+    assert all(p["backend"] == main["spec"]["rules"][0]["http"]["paths"][0]["backend"]
+               for p in paths)  # fmt: skip
+    public = {route.path for route in public_api_routes(create_app(Settings()))}
+    assert set(GENERATION_ROUTES) <= public
+    assert all(ingress_routes(route) for route in GENERATION_ROUTES)
 
 
 def prefix_matches(prefix: str, path: str) -> bool:

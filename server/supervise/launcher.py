@@ -41,6 +41,7 @@ from .children import (
 from .nginx import (
     NginxConfig,
     check_config,
+    generation_read_timeout_for,
     nginx_command,
     prepare_prefix,
     read_timeout_for,
@@ -246,6 +247,9 @@ class Launcher:
             prefix=prefix,
             cache_bytes=int(self.settings.nginx_cache_bytes),
             cache_valid_s=self.settings.nginx_cache_valid_s,
+            generation_read_timeout_s=generation_read_timeout_for(
+                self.settings.generation_read_timeout_s, self.replica.max_timeout_s
+            ),
         )
         conf = prepare_prefix(prefix, render(config))
         try:

@@ -59,6 +59,9 @@ class NginxConfig:
     cache_body_bytes: int = 131072
     """Request bodies up to this size are read into memory and can be cached; larger ones
     always go to a replica."""
+    generation_read_timeout_s: int | None = None
+    """The read timeout of the generation routes (None: ``read_timeout_s``); see
+    ``generation_read_timeout_for``."""
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -68,6 +71,28 @@ class NginxConfig:
                 f"read_timeout_s must be at least 2 (got {self.read_timeout_s}): the retry "
                 "window ends a second before it"
             )
+        if self.generation_read_timeout_s is not None and (
+            self.generation_read_timeout_s < self.read_timeout_s
+        ):
+            raise ValueError(
+                f"generation_read_timeout_s ({self.generation_read_timeout_s}) is below "
+                f"read_timeout_s ({self.read_timeout_s}): a generation waits for its first "
+                "token as long as any request waits for its answer"
+            )
+
+    @property
+    def generation_timeout_s(self) -> int:
+        """The generation routes' read timeout, resolved."""
+        return self.generation_read_timeout_s or self.read_timeout_s
+
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+"""Answered by generators, as server-sent event streams when the request asks."""
+
+
+def exact_paths_regex(paths: Sequence[str]) -> str:
+    """The Nginx ``location ~`` pattern that matches exactly ``paths``."""
+    return "^(" + "|".join(re.escape(path) for path in paths) + ")$"
 
 
 def render(config: NginxConfig, template: str | None = None) -> str:
@@ -83,6 +108,9 @@ def render(config: NginxConfig, template: str | None = None) -> str:
         "max_body_bytes": str(config.max_body_bytes),
         "read_timeout_s": str(config.read_timeout_s),
         "retry_window_s": str(retry_window_for(config.read_timeout_s)),
+        "generation_read_timeout_s": str(config.generation_timeout_s),
+        "generation_retry_window_s": str(retry_window_for(config.generation_timeout_s)),
+        "generation_location_regex": exact_paths_regex(GENERATION_ROUTES),
         "rate_limit_rps": str(config.rate_limit_rps),
         "rate_limit_burst": str(config.rate_limit_burst),
         "upstream_keepalive_s": str(UPSTREAM_KEEP_ALIVE_S),
@@ -99,6 +127,13 @@ def render(config: NginxConfig, template: str | None = None) -> str:
 def read_timeout_for(max_timeout_s: float) -> int:
     """Longer than the replicas' request deadline cap, so a replica answers its own 504 first."""
     return math.ceil(max_timeout_s) + 5
+
+
+def generation_read_timeout_for(generation_read_timeout_s: int, max_timeout_s: float) -> int:
+    """The generation routes' read timeout: the one asked for, but never below the other
+    routes' (``read_timeout_for``), since a generation's first token may take as long as
+    ``max_timeout_s`` too."""
+    return max(generation_read_timeout_s, read_timeout_for(max_timeout_s))
 
 
 def retry_window_for(read_timeout_s: int) -> int:
@@ -152,10 +187,9 @@ def _cache_directives(config: NginxConfig) -> dict[str, str]:
         default 0;
     }}
 """
-    routes = "|".join(re.escape(route) for route in CACHED_ROUTES)
     locations = f"""        # Whole answers of the embedding routes, cached (POST included) for
         # {config.cache_valid_s}s; X-Cache-Status says HIT, MISS or BYPASS.
-        location ~ ^({routes})$ {{
+        location ~ {exact_paths_regex(CACHED_ROUTES)} {{
             client_body_buffer_size {config.cache_body_bytes};
             proxy_cache batchfit_cache;
             proxy_cache_methods POST;
@@ -176,13 +210,17 @@ def compose_config() -> NginxConfig:
     """The rendering docker-compose uses: the two replicas, the default limits."""
     replica = Settings.model_fields
     up = LauncherSettings.model_fields
+    max_timeout_s = replica["max_timeout_s"].default
     return NginxConfig(
         upstreams=COMPOSE_UPSTREAMS,
         listen="80",
         max_body_bytes=replica["max_body_bytes"].default,
-        read_timeout_s=read_timeout_for(replica["max_timeout_s"].default),
+        read_timeout_s=read_timeout_for(max_timeout_s),
         rate_limit_rps=up["rate_limit_rps"].default,
         rate_limit_burst=up["rate_limit_burst"].default,
+        generation_read_timeout_s=generation_read_timeout_for(
+            up["generation_read_timeout_s"].default, max_timeout_s
+        ),
     )
 
 
