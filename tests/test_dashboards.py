@@ -16,7 +16,7 @@ from tests.fakes import ScriptedModel
 from tests.servers import ROOT
 
 GRAFANA = ROOT / "deploy" / "grafana"
-ROWS = ["Latency", "Throughput and errors", "Batching", "Memory"]
+ROWS = ["Latency", "Throughput and errors", "Batching", "Memory", "Generation"]
 
 
 def build_module():
@@ -53,7 +53,7 @@ def test_committed_dashboards_match_the_generator():
         )
 
 
-def test_dashboard_has_the_four_rows_in_order():
+def test_dashboard_has_its_rows_in_order():
     dashboard = load(GRAFANA / "dashboards" / "batchfit.json")
     rows = [panel["title"] for panel in dashboard["panels"] if panel["type"] == "row"]
     assert rows == ROWS
@@ -94,6 +94,18 @@ def test_every_metric_a_panel_reads_is_exported():
                     "batchfit_torch_allocated_bytes", "batchfit_torch_reserved_bytes",
                     "batchfit_batch_predicted_peak_bytes", "batchfit_batch_measured_peak_bytes",
                     "batchfit_memory_headroom_bytes", "batchfit_oom_events_total"]),
+        ("Generation", ["batchfit_generation_time_to_first_token_seconds_bucket",
+                        "batchfit_generation_time_between_tokens_seconds_bucket",
+                        "histogram_quantile(0.5, sum by (le, model)",
+                        "histogram_quantile(0.99, sum by (le, model)",
+                        "rate(batchfit_generation_generated_tokens_total",
+                        "rate(batchfit_generation_prompt_tokens_total",
+                        "batchfit_generation_running_sequences",
+                        "batchfit_generation_waiting_sequences",
+                        "batchfit_generation_cache_bytes", "batchfit_generation_cache_budget_bytes",
+                        "sum by (reason) (rate(batchfit_generation_preemptions_total",
+                        "sum by (reason) (rate(batchfit_generation_finished_sequences_total",
+                        "batchfit_generation_step_tokens_bucket"]),
     ],
 )  # fmt: skip
 def test_rows_show_what_the_issue_asks(row, needles):
@@ -102,11 +114,38 @@ def test_rows_show_what_the_issue_asks(row, needles):
         assert needle in exprs, f"{row} row lacks {needle}"
 
 
-def test_batch_size_heatmap_reads_buckets_as_a_heatmap():
+@pytest.mark.parametrize("title", ["Batch size", "Step tokens"])
+def test_token_and_size_heatmaps_read_buckets_as_a_heatmap(title):
     dashboard = load(GRAFANA / "dashboards" / "batchfit.json")
-    heatmap = next(p for p in dashboard["panels"] if p["title"] == "Batch size")
+    heatmap = next(p for p in dashboard["panels"] if p["title"] == title)
     assert heatmap["type"] == "heatmap"
     assert heatmap["targets"][0]["format"] == "heatmap"
+
+
+def test_the_generation_panels_read_each_metric_of_a_generator():
+    """Every generation metric is on a panel of the Generation row, and only there; the
+    latencies as p50 and p99 by model, the cache against its budget on one panel."""
+    registry = CollectorRegistry()
+    runtime = create_app(Settings(), model=ScriptedModel(), registry=registry).state.runtime
+    families = {family.name for family in registry.collect()}
+    generation = {name for name in families if name.startswith("batchfit_generation_")}
+    assert len(generation) == 13
+    queries = all_panel_queries()
+    row = [q for q in queries if q.row == "Generation"]
+    read = {name for q in row for name in re.findall(r"\bbatchfit_[a-z_]+", q.expr)}
+    assert {re.sub(r"_(bucket|total)$", "", name) for name in read} == generation
+    assert not any("batchfit_generation_" in q.expr for q in queries if q.row != "Generation")
+    panels = {}
+    for query in row:
+        panels.setdefault(query.panel, []).append(query.expr)
+    for metric in ("time_to_first_token_seconds", "time_between_tokens_seconds"):
+        (exprs,) = [e for e in panels.values() if f"batchfit_generation_{metric}" in e[0]]
+        assert [e.split(",")[0] for e in exprs] == [
+            "histogram_quantile(0.5", "histogram_quantile(0.99",
+        ]  # fmt: skip
+        assert all("sum by (le, model)" in e for e in exprs)
+    (cache,) = [e for e in panels.values() if "batchfit_generation_cache_bytes" in e[0]]
+    assert "batchfit_generation_cache_budget_bytes" in cache[1]
 
 
 def test_grafana_provisioning_uses_the_agreed_names():
@@ -141,6 +180,7 @@ def per_model_series() -> set[str]:
     runtime.metrics.input_tokens.labels("m")
     runtime.metrics.request_duration.labels("/v1/infer", "m")
     runtime.metrics.model.labels("m").info({"name": "m"})
+    runtime.generators.metrics.for_model("m")
     return {
         sample.name for family in registry.collect() for sample in family.samples
         if "model" in sample.labels

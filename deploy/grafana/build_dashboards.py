@@ -310,11 +310,100 @@ def memory_row() -> list[Panel]:
     ]  # fmt: skip
 
 
+def by_model_quantiles(metric: str) -> list[tuple[str, str]]:
+    return [
+        (f"histogram_quantile({q}, sum by (le, model) "
+         f"(rate({metric}_bucket{{{MSEL}}}[{WINDOW}])))", f"{{{{model}}}} p{round(q * 100)}")
+        for q in (0.5, 0.99)
+    ]  # fmt: skip
+
+
+def generation_row() -> list[Panel]:
+    """The generators (``--task generate``): streams' latency, tokens, sequences and their
+    key/value cache. Empty on replicas that serve no generator."""
+    return [
+        timeseries(
+            "Time to first token (p50 / p99) by model", "s",
+            by_model_quantiles("batchfit_generation_time_to_first_token_seconds"),
+            description="From a sequence's admission to its first token: its wait to join the "
+            "steps and its prompt's prefill.",
+        ),
+        timeseries(
+            "Time between tokens (p50 / p99) by model", "s",
+            by_model_quantiles("batchfit_generation_time_between_tokens_seconds"),
+            description="Between two tokens of one sequence: a decode step, and any wait "
+            "between them (a prompt chunk prefilled in the same step, a preemption).",
+        ),
+        timeseries(
+            "Generated and prompt tokens per second", "short",
+            [
+                (f"sum by (model) (rate(batchfit_generation_generated_tokens_total{{{MSEL}}}"
+                 f"[{WINDOW}]))", "{{model}} generated/s"),
+                (f"sum by (model) (rate(batchfit_generation_prompt_tokens_total{{{MSEL}}}"
+                 f"[{WINDOW}]))", "{{model}} prompt/s"),
+            ],
+        ),
+        timeseries(
+            "Running and waiting sequences", "short",
+            [
+                (f"batchfit_generation_running_sequences{{{MSEL}}}",
+                 "{{instance}} {{model}} running"),
+                (f"batchfit_generation_waiting_sequences{{{MSEL}}}",
+                 "{{instance}} {{model}} waiting"),
+            ],
+            description="Each choice of each request is one sequence. Running: its key/value "
+            "cache is held (decoding, or prefilling its prompt); waiting: admitted, new or "
+            "preempted.",
+        ),
+        timeseries(
+            "Key/value cache: held vs budget", "bytes",
+            [
+                (f"batchfit_generation_cache_bytes{{{MSEL}}}", "{{instance}} {{model}} held"),
+                (f"batchfit_generation_cache_budget_bytes{{{MSEL}}}",
+                 "{{instance}} {{model}} budget"),
+            ],
+            description="What the running sequences' caches hold, against the most they may "
+            "hold at the latest step (what they held plus the free memory, less headroom); "
+            "near the budget, new sequences wait and the newest are preempted.",
+        ),
+        timeseries(
+            "Preemptions by reason", "short",
+            [(f"sum by (reason) (rate(batchfit_generation_preemptions_total{{{MSEL}}}"
+              f"[{WINDOW}]))", "{{reason}}")],
+            description="Sequences whose cache was freed to resume later: memory (the next "
+            "step would not fit) or out_of_memory (a step failed an allocation).",
+        ),
+        timeseries(
+            "Finished sequences by reason", "short",
+            [(f"sum by (reason) (rate(batchfit_generation_finished_sequences_total{{{MSEL}}}"
+              f"[{WINDOW}]))", "{{reason}}")],
+            description="stop (end of sequence or a stop string), length (max_tokens or the "
+            "context), cancelled (the client went away), error.",
+        ),
+        heatmap(
+            "Step tokens", "batchfit_generation_step_tokens",
+            "Tokens one step feeds the model: one per decoding sequence, plus prompt chunks.",
+        ),
+        timeseries(
+            "Step duration (p50 / p99) by model", "s",
+            by_model_quantiles("batchfit_generation_step_duration_seconds"),
+            description="Wall time of one step on the model thread, which it shares with the "
+            "encoders' batches.",
+        ),
+        timeseries(
+            "Generation request duration (p50 / p99) by model", "s",
+            by_model_quantiles("batchfit_generation_request_duration_seconds"),
+            description="From a sequence's admission to its last token.",
+        ),
+    ]  # fmt: skip
+
+
 ROWS = (
     ("Latency", latency_row),
     ("Throughput and errors", throughput_row),
     ("Batching", batching_row),
     ("Memory", memory_row),
+    ("Generation", generation_row),
 )
 
 
@@ -359,7 +448,8 @@ def batchfit_dashboard() -> dict[str, Any]:
     return {
         "uid": "batchfit",
         "title": "Batchfit",
-        "description": "Latency, throughput, batching and memory of the Batchfit replicas.",
+        "description": "Latency, throughput, batching, memory and generation of the Batchfit "
+        "replicas.",
         "tags": ["batchfit"],
         "timezone": "utc",
         "editable": False,

@@ -141,7 +141,9 @@ def value(answer) -> float:
 
 def test_every_dashboard_expression_returns_data_from_a_real_prometheus(replica, tmp_path):
     target = replica.metrics_url.removeprefix("http://")
-    queries = all_panel_queries()
+    # The Generation row reads a generator's series, which this replica has not:
+    # test_observability_generation.py evaluates it against one that serves a generator.
+    queries = [q for q in all_panel_queries() if q.row != "Generation"]
     assert len(queries) > 30
     with run_prometheus(tmp_path, [target], scrape_interval_s=1) as prometheus:
         # Wave one creates every labelled series; wave two, once Prometheus has scraped them,
