@@ -126,7 +126,7 @@ def test_the_generation_panels_read_each_metric_of_a_generator():
     """Every generation metric is on a panel of the Generation row, and only there; the
     latencies as p50 and p99 by model, the cache against its budget on one panel."""
     registry = CollectorRegistry()
-    runtime = create_app(Settings(), model=ScriptedModel(), registry=registry).state.runtime
+    create_app(Settings(), model=ScriptedModel(), registry=registry)
     families = {family.name for family in registry.collect()}
     generation = {name for name in families if name.startswith("batchfit_generation_")}
     assert len(generation) == 13
