@@ -22,6 +22,7 @@ from batching import (
     InferenceFailed,
     MemoryProbe,
     ModelThread,
+    NeverAdmitted,
     OutOfMemory,
     QueueFull,
     ShuttingDown,
@@ -102,10 +103,13 @@ class GenerationEngine:
         self, specs: Seq[SequenceSpec], *, priority: int = 0, timeout_s: float
     ) -> tuple[RequestStream, list[Sequence]]:
         """Admit one request's sequences (its choices), or none: ``QueueFull`` where the
-        waiting sequences would pass ``max_waiting``, ``ShuttingDown`` once stopped. Their
+        waiting sequences would pass ``max_waiting`` (``NeverAdmitted`` where they alone
+        would), ``ShuttingDown`` once stopped. Their
         events go to one stream, each tagged with its sequence's place in ``specs``."""
         if self.stopped:
             raise ShuttingDown("the generator stopped")
+        if len(specs) > self.config.max_waiting:
+            raise NeverAdmitted(len(specs), self.config.max_waiting)
         if len(self.waiting) + len(specs) > self.config.max_waiting:
             raise QueueFull(len(self.waiting), self.config.max_waiting, retry_after_s=1.0)
         now = self._clock.now()
