@@ -55,7 +55,13 @@ class StepTimeModel:
         data = np.asarray(self._samples, dtype=float)
         tokens, seqs, times = data[:, 0], data[:, 1], data[:, 2]
         columns = [np.ones_like(tokens), tokens, seqs]
+        # A term that never varied apart from the others (every step a decode step: as many
+        # tokens as sequences) cannot be told from them: the last such is left out.
         keep = [0, 1, 2]
+        while len(keep) > 1 and np.linalg.matrix_rank(
+            np.stack([columns[i] for i in keep], 1)
+        ) < len(keep):
+            keep.pop()
         # Drop a term that fits negative (too few distinct shapes yet) and fit again.
         for _ in range(3):
             matrix = np.stack([columns[i] for i in keep], axis=1)
@@ -64,6 +70,8 @@ class StepTimeModel:
             if not negative:
                 break
             keep.remove(negative[0])
+        if len(keep) == 1:
+            return
         fitted = dict.fromkeys(range(3), 0.0)
         fitted.update(zip(keep, (max(0.0, float(v)) for v in solution), strict=True))
         if fitted[1] <= 0:  # no per-token cost seen yet: not a usable model
