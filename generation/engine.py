@@ -278,7 +278,7 @@ class GenerationEngine:
         for seq in [*self.running, *self.waiting]:
             if seq.cancelled:
                 self._finish(seq, "cancelled")
-            elif seq.first_token_s is None and seq.deadline_s <= now:
+            elif not seq.output_ids and seq.deadline_s <= now:
                 self._end(seq, error=DeadlineExceeded(now - seq.arrival_s))
 
     async def _outcome(
@@ -316,8 +316,9 @@ class GenerationEngine:
             self.time_model.observe(request.num_tokens, len(request.chunks), elapsed)
             self.metrics.step_tokens.observe(request.num_tokens)
             self.metrics.step_duration.observe(elapsed)
-        for chunk in request.chunks:
-            self._cached(chunk)
+        for chunk, seq in zip(request.chunks, stepped, strict=True):
+            if seq.state is SeqState.RUNNING:
+                seq.num_cached = chunk.start + len(chunk.token_ids)
         sampled = {token.seq_id: token for token in result.tokens}
         fresh = []
         for seq in stepped:
@@ -336,12 +337,6 @@ class GenerationEngine:
             if seq.text.finish_reason is not None:
                 self._retire(seq)
         return fresh
-
-    def _cached(self, chunk: SeqChunk) -> None:
-        for seq in self.running:
-            if seq.seq_id == chunk.seq_id:
-                seq.num_cached = chunk.start + len(chunk.token_ids)
-                return
 
     def _out_of_memory(self, stepped: list[Sequence], exc: ModelOutOfMemory) -> None:
         """A step ran out of memory: preempt the newer half of its sequences and let the
