@@ -7,9 +7,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from batching import BatchingMetrics, MemoryMetrics
+from generation import GenerationMetrics
 from server import Settings, create_app
 from server.middleware import COUNTED_ENDPOINTS, RequestRecord, _v2_endpoint
 from server.status import SAMPLE_FIELDS, StatusHistory, percentile
+from server.status.history import GENERATION_FIELDS, histogram_percentile
 from tests.fakes import ScriptedModel
 from tests.test_app import assert_error, running
 
@@ -82,6 +84,8 @@ def test_a_sample_sums_up_its_interval(registry):
         "padded_tokens": 160.0, "memory_free_bytes": 1000, "budget_bytes": 800,
         "predicted_peak_bytes": 0, "measured_peak_bytes": 300, "oom_splits_total": 3,
         "cache_hit_rate": None, "cache_bytes": 0,
+        # No generator: no generation figures at all (not zeros).
+        **dict.fromkeys(GENERATION_FIELDS),
     }  # fmt: skip
     quiet = history.sample(wall_s=103.0, mono_s=53.0)
     assert quiet["requests_per_s"] == 0 and quiet["latency_p50_ms"] is None
@@ -102,6 +106,75 @@ def test_with_several_models_counters_add_up_and_gauges_read_the_largest(registr
     sample = history.sample(wall_s=101.0, mono_s=51.0)
     assert (sample["batches"], sample["batch_size"], sample["padded_tokens"]) == (2, 3.0, 30.0)
     assert (sample["oom_splits_total"], sample["measured_peak_bytes"]) == (2, 700)
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize(
+    ("buckets", "q", "expected"),
+    [
+        ({}, 0.5, None),
+        ({0.1: 0, 1.0: 0, INF: 0}, 0.5, None),
+        # 10 observations, all in (0.1, 1]: interpolated inside that bucket.
+        ({0.1: 0, 1.0: 10, INF: 10}, 0.5, 0.55),
+        ({0.1: 0, 1.0: 10, INF: 10}, 0.99, 0.991),
+        # The first bucket starts at 0.
+        ({0.1: 4, 1.0: 4, INF: 4}, 0.5, 0.05),
+        # 5 below 0.1, 5 in (0.1, 1]: the median is the first bucket's bound.
+        ({0.1: 5, 1.0: 10, INF: 10}, 0.5, 0.1),
+        ({0.1: 5, 1.0: 10, INF: 10}, 0.6, 0.28),
+        # Beyond the last finite bound: that bound, as Prometheus answers.
+        ({0.1: 1, 1.0: 2, INF: 10}, 0.99, 1.0),
+        # An empty bucket between two: skipped.
+        ({0.1: 5, 0.5: 5, 1.0: 10, INF: 10}, 0.75, 0.75),
+        # The lowest: where the first observation's bucket starts (no division by its zero).
+        ({0.1: 0, 1.0: 10, INF: 10}, 0.0, 0.1),
+    ],
+)
+def test_histogram_percentile_interpolates_as_prometheus_does(buckets, q, expected):
+    found = histogram_percentile(buckets, q)
+    assert found == (None if expected is None else pytest.approx(expected))
+
+
+def test_generation_figures_add_up_the_generators_and_read_latency_over_the_window(registry):
+    metrics = GenerationMetrics(registry, max_step_tokens=64, max_latency_s=60)
+    a, b = metrics.for_model("a"), metrics.for_model("b")
+    history = StatusHistory(registry, queue_depth=lambda: 0, window_s=3)  # 3 samples
+    first = history.sample(wall_s=100.0, mono_s=50.0)
+    assert first["generated_tokens_per_s"] == 0 and first["ttft_p50_ms"] is None
+    assert first["running_sequences"] == 0
+    for series, tokens in ((a, 30), (b, 10)):
+        series.generated_tokens.inc(tokens)
+        series.prompt_tokens.inc(tokens * 2)
+    for _ in range(10):
+        a.time_to_first_token.observe(0.3)  # in (0.25, 0.5]
+        b.time_between_tokens.observe(0.015)  # in (0.01, 0.02]
+    a.running.set(3)
+    b.running.set(2)
+    b.waiting.set(4)
+    a.cache_bytes.set(1000)
+    b.cache_bytes.set(24)
+    a.cache_budget_bytes.set(5000)
+    b.cache_budget_bytes.set(4000)
+    sample = history.sample(wall_s=102.0, mono_s=52.0)  # two seconds later
+    assert {key: sample[key] for key in GENERATION_FIELDS} == {
+        "generated_tokens_per_s": 20.0, "prompt_tokens_per_s": 40.0,
+        "ttft_p50_ms": pytest.approx(375.0), "ttft_p99_ms": pytest.approx(497.5),
+        "tbt_p50_ms": pytest.approx(15.0), "tbt_p99_ms": pytest.approx(19.9),
+        "running_sequences": 5, "waiting_sequences": 4, "kv_cache_bytes": 1024,
+        "kv_cache_budget_bytes": 5000,
+    }  # fmt: skip
+    # Faster first tokens later on: the window still holds the slow ones, until they leave it.
+    for _ in range(30):
+        a.time_to_first_token.observe(0.04)  # in (0.025, 0.05]
+    later = [history.sample(wall_s=103.0 + i, mono_s=53.0 + i) for i in range(3)]
+    assert later[0]["generated_tokens_per_s"] == 0
+    assert later[0]["ttft_p50_ms"] == pytest.approx(41.667)  # 20th of 30 in (25, 50] ms
+    assert later[0]["ttft_p99_ms"] == pytest.approx(490.0)  # the slow ones: 10 of 40
+    assert later[1]["ttft_p99_ms"] == pytest.approx(490.0)
+    assert later[2]["ttft_p99_ms"] == pytest.approx(49.75)  # 3 intervals on: only the fast ones
+    assert later[2]["tbt_p50_ms"] is None  # no token in the window
 
 
 def test_the_cache_hit_rate_is_over_every_lookup_since_start(registry):
@@ -148,6 +221,8 @@ async def test_status_json_has_the_model_card_and_new_samples(registry):
     assert body["samples"][-1]["t"] == 2e9
     assert sum(s["requests_per_s"] for s in body["samples"]) > 0
     assert newer["samples"] == []
+    assert body["generators"] == []  # the page draws no generation charts
+    assert body["samples"][-1]["generated_tokens_per_s"] is None
     assert page.status_code == 200 and "/status/assets/uPlot.iife.min.js" in page.text
 
 

@@ -1,9 +1,10 @@
 """The status page's data: one sample a second, kept for the last few minutes in the replica.
 
 Everything comes from what the replica already records: finished requests (observed from the
-request middleware), the queue, and the batching and memory metrics on its registry. With
-``--api-workers`` above 1 the engine keeps the one history: before each sample it asks every
-API process for its requests since the last (``take``) and adds them in (``add``).
+request middleware), the queue, and the batching, memory and generation metrics on its
+registry. With ``--api-workers`` above 1 the engine keeps the one history: before each sample
+it asks every API process for its requests since the last (``take``) and adds them in
+(``add``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from prometheus_client import CollectorRegistry
 
 from ..middleware import V2_INFER, RequestRecord
 
-INFERENCE_ENDPOINTS = frozenset({"/v1/infer", "/v1/embeddings", "/v1/rerank", V2_INFER})
+INFERENCE_ENDPOINTS = frozenset({
+    "/v1/infer", "/v1/embeddings", "/v1/rerank", V2_INFER, "/v1/completions",
+    "/v1/chat/completions",
+})  # fmt: skip
 # Cumulative series whose increase over one interval makes a sample's figures.
 _COUNTERS = {
     "batches": ("batchfit_batch_size_count", None),
@@ -38,11 +42,34 @@ _GAUGES = {
     "predicted_peak_bytes": "batchfit_batch_predicted_peak_bytes",
     "measured_peak_bytes": "batchfit_batch_measured_peak_bytes",
 }
+# The generators' series (null while the replica serves none): token counters read as rates,
+# gauges added up over the models but the budget (every model's is read from the same free
+# memory: the largest), and latency histograms read as percentiles over the whole window.
+_GENERATION_COUNTERS = {
+    "generated_tokens": "batchfit_generation_generated_tokens_total",
+    "prompt_tokens": "batchfit_generation_prompt_tokens_total",
+}
+_GENERATION_GAUGES = {
+    "running_sequences": "batchfit_generation_running_sequences",
+    "waiting_sequences": "batchfit_generation_waiting_sequences",
+    "kv_cache_bytes": "batchfit_generation_cache_bytes",
+}
+_GENERATION_BUDGET = "batchfit_generation_cache_budget_bytes"
+_GENERATION_HISTOGRAMS = {
+    "ttft": "batchfit_generation_time_to_first_token_seconds_bucket",
+    "tbt": "batchfit_generation_time_between_tokens_seconds_bucket",
+}
+GENERATION_FIELDS = (
+    "generated_tokens_per_s", "prompt_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
+    "tbt_p50_ms", "tbt_p99_ms", *_GENERATION_GAUGES, "kv_cache_budget_bytes",
+)  # fmt: skip
 SAMPLE_FIELDS = (
     "t", "requests_per_s", "errors_per_s", "latency_p50_ms", "latency_p99_ms", "queue_depth",
     "batches", "batch_size", "padded_tokens", *_GAUGES, "oom_splits_total", "cache_hit_rate",
-    "cache_bytes",
+    "cache_bytes", *GENERATION_FIELDS,
 )  # fmt: skip
+Buckets = dict[float, float]
+"""A histogram's cumulative counts by upper bound (``le``), ``inf`` included."""
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -53,11 +80,36 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[rank - 1]
 
 
-def _read(registry: CollectorRegistry) -> dict[str, float]:
+def histogram_percentile(buckets: Buckets, q: float) -> float | None:
+    """The ``q`` quantile of the observations counted in ``buckets``, interpolated linearly
+    inside the bucket it falls in, as Prometheus's ``histogram_quantile`` does (the lowest
+    bucket starts at 0; in the ``inf`` bucket, the highest finite bound); None without
+    observations. O(buckets)."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank and count > below:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
+def _read(registry: CollectorRegistry) -> tuple[dict[str, float], dict[str, Buckets]]:
     """One pass over the registry for the few series a sample needs. With several models,
-    counters add up over the models and a gauge reads the largest model's value."""
+    counters add up over the models and a gauge reads the largest model's value (but the
+    generation gauges, which add up); histogram buckets add up over the models."""
+    generation_sums = {**_GENERATION_COUNTERS, **_GENERATION_GAUGES}
     wanted = {name for name, _ in _COUNTERS.values()} | set(_GAUGES.values())
+    wanted |= {*generation_sums.values(), _GENERATION_BUDGET, *_GENERATION_HISTOGRAMS.values()}
     found: dict[str, float] = {}
+    buckets: dict[str, Buckets] = {}
     for family in registry.collect():
         for sample in family.samples:
             if sample.name not in wanted:
@@ -70,7 +122,19 @@ def _read(registry: CollectorRegistry) -> dict[str, float]:
             for key, name in _GAUGES.items():
                 if name == sample.name:
                     found[key] = max(found.get(key, sample.value), sample.value)
-    return found
+            for key, name in generation_sums.items():
+                if name == sample.name:
+                    found[key] = found.get(key, 0.0) + sample.value
+            if sample.name == _GENERATION_BUDGET:
+                found["kv_cache_budget_bytes"] = max(
+                    found.get("kv_cache_budget_bytes", 0.0), sample.value
+                )
+            for key, name in _GENERATION_HISTOGRAMS.items():
+                if name == sample.name:
+                    le = float(sample.labels["le"])
+                    counts = buckets.setdefault(key, {})
+                    counts[le] = counts.get(le, 0.0) + sample.value
+    return found, buckets
 
 
 class StatusHistory:
@@ -96,6 +160,11 @@ class StatusHistory:
         self._latencies_s: list[float] = []
         self._last_counts: dict[str, float] = {}
         self._last_mono_s: float | None = None
+        # The histograms' buckets as they were at each of the window's samples, and one more:
+        # the window's start, which the percentiles of its latest sample count from.
+        self._window_buckets: deque[dict[str, Buckets]] = deque(
+            maxlen=(self.samples.maxlen or 0) + 1
+        )
 
     def observe(self, record: RequestRecord) -> None:
         """A request observer: inference requests count; latency is that of successes."""
@@ -125,7 +194,7 @@ class StatusHistory:
         """Close the interval that ends now and append its sample."""
         elapsed = mono_s - self._last_mono_s if self._last_mono_s is not None else self.interval_s
         elapsed = max(elapsed, 1e-6)
-        counts = _read(self.registry)
+        counts, buckets = _read(self.registry)
         delta = {k: counts.get(k, 0.0) - self._last_counts.get(k, 0.0) for k in _COUNTERS}
         latencies = sorted(self._latencies_s)
         batches = int(delta["batches"])
@@ -143,6 +212,7 @@ class StatusHistory:
             "oom_splits_total": int(counts.get("oom_splits", 0)),
             "cache_hit_rate": _hit_rate(counts),
             "cache_bytes": int(counts.get("cache_bytes", 0)),
+            **self._generation(counts, buckets, elapsed),
         }
         self.samples.append(sample)
         self._requests = self._errors = 0
@@ -150,6 +220,32 @@ class StatusHistory:
         self._last_counts = counts
         self._last_mono_s = mono_s
         return sample
+
+    def _generation(
+        self, counts: dict[str, float], buckets: dict[str, Buckets], elapsed_s: float
+    ) -> dict[str, float | int | None]:
+        """The generation figures of the interval that ends now; null without a generator
+        (its series appear once one is loaded)."""
+        self._window_buckets.append(buckets)
+        if not buckets:
+            return dict.fromkeys(GENERATION_FIELDS)
+        figures: dict[str, float | int | None] = {
+            f"{key}_per_s": round(
+                (counts.get(key, 0.0) - self._last_counts.get(key, 0.0)) / elapsed_s, 3
+            )
+            for key in _GENERATION_COUNTERS
+        }
+        # Over the window: from its start, or from the history's first sample until then.
+        full = len(self._window_buckets) == self._window_buckets.maxlen
+        start = self._window_buckets[0] if full else {}
+        for key in _GENERATION_HISTOGRAMS:
+            now, then = buckets.get(key, {}), start.get(key, {})
+            window = {le: count - then.get(le, 0.0) for le, count in now.items()}
+            for q in (0.5, 0.99):
+                figures[f"{key}_p{round(q * 100)}_ms"] = _ms(histogram_percentile(window, q))
+        for key in (*_GENERATION_GAUGES, "kv_cache_budget_bytes"):
+            figures[key] = int(counts.get(key, 0))
+        return figures
 
     def since(self, t: float | None) -> list[dict[str, Any]]:
         """The samples newer than ``t`` (all of them when None)."""

@@ -40,6 +40,13 @@ def model_card(request: Request) -> dict[str, Any] | None:
     }
 
 
+def generator_names(request: Request) -> list[str]:
+    """The models this replica generates with: the page draws the generation figures only
+    for a replica that has one."""
+    slots = request.app.state.runtime.slots
+    return [name for name, slot in slots.items() if slot.info.task == "generate"]
+
+
 def make_status_router(history: StatusHistory) -> APIRouter:
     router = APIRouter(include_in_schema=False)
 
@@ -63,6 +70,7 @@ def make_status_router(history: StatusHistory) -> APIRouter:
             "ready": runtime.ready,
             "draining": runtime.draining,
             "model": model_card(request),
+            "generators": generator_names(request),
             "samples": samples,
         }
         return Response(

@@ -17,7 +17,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from server.status.history import GENERATION_FIELDS
 from tests.browser import Page, open_page, overlapping, require_chromium
+from tests.generators import tiny_generator
 from tests.servers import run_server
 
 pytestmark = pytest.mark.integration
@@ -30,6 +32,10 @@ MiB = 2**20
 # Where the page's summary numbers sit, and how the page rounds them.
 UNIT_SCALE = {"rate": 1, "ms": 1, "mean": 1, "count": 1, "bytes": 1 / MiB, "percent": 100}
 CHART_SERIES_COLOR = (0x1F, 0x77, 0xB4)  # the first series of the requests and memory charts
+CHARTS = ["requests", "queue", "batches", "memory"]
+GENERATION_CHARTS = [
+    "generationTokens", "generationLatency", "generationSequences", "generationCache",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +147,10 @@ def test_status_page_draws_live_data_that_matches_status_json(server, tmp_path):
             })()"""
         )
         pixels = {name: _chart_pixels(page, name) for name in ("requests", "memory")}
+        generation = page.evaluate(
+            "({hidden: document.getElementById('generation').hidden,"
+            " charts: Object.keys(window.batchfitStatus.charts)})"
+        )
         texts = page.evaluate(
             "Object.fromEntries(Object.entries(window.batchfitStatus.charts).map(([k, c]) => [k, "
             "{boxes: window.canvasTextBoxes(c.ctx.canvas), plotRight: c.bbox.left + c.bbox.width,"
@@ -158,6 +168,9 @@ def test_status_page_draws_live_data_that_matches_status_json(server, tmp_path):
     assert errors == []
     assert urls and all(_same_origin(u, server.port) for u in urls), urls
     assert dom["model"] == "all-MiniLM-L6-v2" and dom["state"] == "ready"
+    # No generator here: no generation section, and no empty charts for it.
+    assert generation == {"hidden": True, "charts": CHARTS}
+    assert status["generators"] == [] and sample_generation_is_null(status)
     assert all(length >= 3 for length in drawn.values()), drawn
     assert all(count > 30 for count in pixels.values()), pixels
     # No axis label overlaps a tick number (nor any text another), on every chart; the memory
@@ -188,15 +201,22 @@ def test_status_page_draws_live_data_that_matches_status_json(server, tmp_path):
         Path(keep).write_bytes(screenshot.read_bytes())
 
 
+def sample_generation_is_null(status: dict) -> bool:
+    return all(s["generated_tokens_per_s"] is None for s in status["samples"])
+
+
 STATIC = Path(__file__).resolve().parents[2] / "server" / "status" / "static"
 
 
 @contextmanager
-def static_status_page(samples: list[dict[str, object]]) -> Iterator[str]:
-    """The status page's own files, and a /status.json that always answers ``samples``: the
-    page alone, without a replica behind it."""
+def static_status_page(
+    samples: list[dict[str, object]], generators: list[str] | None = None
+) -> Iterator[str]:
+    """The status page's own files, and a /status.json that always answers ``samples`` (and
+    ``generators``: the page's generation section): the page alone, without a replica."""
     answer = json.dumps({"window_s": 300, "samples": samples, "ready": True,
-                         "draining": False, "model": None}).encode()  # fmt: skip
+                         "draining": False, "model": None,
+                         "generators": generators or []}).encode()  # fmt: skip
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -232,10 +252,12 @@ def static_status_page(samples: list[dict[str, object]]) -> Iterator[str]:
 
 
 @contextmanager
-def static_page_open(tmp_path: Path, samples: list[dict[str, object]]) -> Iterator[Page]:
+def static_page_open(
+    tmp_path: Path, samples: list[dict[str, object]], generators: list[str] | None = None
+) -> Iterator[Page]:
     """``static_status_page`` open in the browser, its charts' texts recorded, once it has
     read ``samples``."""
-    with static_status_page(samples) as url, open_page(tmp_path) as page:
+    with static_status_page(samples, generators) as url, open_page(tmp_path) as page:
         page.record_canvas_text()
         page.navigate(f"{url}/status")
         page.wait_for(
@@ -244,18 +266,22 @@ def static_page_open(tmp_path: Path, samples: list[dict[str, object]]) -> Iterat
         yield page
 
 
-def test_no_axis_number_overlaps_its_label_when_data_returns_after_a_gap(tmp_path):
+@pytest.mark.parametrize("generators", [[], ["gen"]], ids=["encoders", "generator"])
+def test_no_axis_number_overlaps_its_label_when_data_returns_after_a_gap(tmp_path, generators):
     # A window without batches hides the batch chart's y axes; when batches return, the plot's
     # height changes while uPlot sizes the axes. Every chart, from no data to a range whose
-    # tick numbers differ in width with the plot's height (0.2 against 0.25 steps).
+    # tick numbers differ in width with the plot's height (0.2 against 0.25 steps); the
+    # generation charts too, on a replica that serves a generator.
     require_chromium()
     now = time.time()
     samples = [{"t": now - 10 + i, "requests_per_s": None, "batch_size": None,
                 "padded_tokens": None, "queue_depth": None, "latency_p50_ms": None,
                 "latency_p99_ms": None, "memory_free_bytes": None, "budget_bytes": None,
-                "predicted_peak_bytes": None, "measured_peak_bytes": None}
+                "predicted_peak_bytes": None, "measured_peak_bytes": None,
+                **dict.fromkeys(GENERATION_FIELDS)}
                for i in range(10)]  # fmt: skip
-    with static_page_open(tmp_path, samples) as page:
+    charts = CHARTS + (GENERATION_CHARTS if generators else [])
+    with static_page_open(tmp_path, samples, generators) as page:
         drawn = page.evaluate(
             """(async () => {
               const painted = () => new Promise((done) => setTimeout(done, 0));
@@ -281,9 +307,12 @@ def test_no_axis_number_overlaps_its_label_when_data_returns_after_a_gap(tmp_pat
         )
         errors = page.errors()
     assert errors == []
+    assert sorted({d["name"] for d in drawn}) == sorted(charts)
     ours = [d for d in drawn if d["ours"]]
-    assert len(drawn) == 4 * 30 and len(ours) >= 100, len(ours)
-    assert all(len(d["boxes"]) > 5 for d in ours), ours[:1]
+    assert len(drawn) == len(charts) * 30 and len(ours) >= 25 * len(charts), len(ours)
+    # Time labels, axis labels and tick numbers; a generation chart has one y axis, and its
+    # 10-s window may show one time label.
+    assert all(len(d["boxes"]) > (5 if d["name"] in CHARTS else 3) for d in ours), ours[:1]
     clashes = [(d["name"], d["low"], overlapping(d["boxes"])) for d in ours]
     assert [clash for clash in clashes if clash[2]] == []
 
@@ -378,3 +407,80 @@ def test_no_time_label_overlaps_another_across_a_new_minute_day_or_year(tmp_path
     assert all(len(d["labels"]) >= 2 for d in ours), [(d["span"], d["labels"]) for d in ours]
     clashes = [(d["name"], d["span"], d["before"], overlapping(d["boxes"])) for d in ours]
     assert [clash for clash in clashes if clash[3]] == [], str([c for c in clashes if c[3]])
+
+
+@pytest.fixture(scope="module")
+def generator_server(tmp_path_factory):
+    require_chromium()
+    root = tmp_path_factory.mktemp("status-generator")
+    with run_server(
+        root, "--model", str(tiny_generator(root, "llama")), "--status-window-s", "60"
+    ) as server:
+        yield server
+
+
+class Streams(Traffic):
+    """A few clients streaming completions until stopped (bounded in count and time)."""
+
+    def _run(self, offset: int) -> None:
+        body = {"model": "llama", "prompt": f"Client {offset} says", "max_tokens": 64,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        with httpx.Client(timeout=60) as client:
+            while not self.stop.is_set() and self.sent < self.max_requests:
+                self.sent += 1
+                with client.stream("POST", f"{self.url}/v1/completions", json=body) as response:
+                    response.read()
+                    self.statuses.append(response.status_code)
+
+
+def test_status_page_draws_generation_for_a_replica_that_generates(generator_server, tmp_path):
+    with Streams(generator_server.url, clients=2) as traffic, open_page(tmp_path) as page:
+        page.record_canvas_text()
+        page.navigate(f"{generator_server.url}/status")
+        page.wait_for(
+            "window.batchfitStatus && window.batchfitStatus.samples.filter("
+            "s => s.generated_tokens_per_s > 0 && s.ttft_p99_ms !== null"
+            " && s.tbt_p99_ms !== null).length >= 3"
+            " && document.getElementById('summary').dataset.t !== ''",
+            timeout_s=40,
+        )
+        dom = page.evaluate(
+            """(() => ({t: document.getElementById('summary').dataset.t,
+              hidden: document.getElementById('generation').hidden,
+              window: document.getElementById('generation-window').textContent,
+              charts: Object.keys(window.batchfitStatus.charts),
+              values: [...document.querySelectorAll('#generation-summary .value')].map(e => ({
+                id: e.id, value: e.dataset.value, text: e.textContent, unit: e.dataset.unit}))
+            }))()"""
+        )
+        pixels = {name: _chart_pixels(page, name) for name in GENERATION_CHARTS[:2]}
+        boxes = page.evaluate(
+            "Object.fromEntries(Object.entries(window.batchfitStatus.charts).map(([k, c]) => "
+            "[k, window.canvasTextBoxes(c.ctx.canvas)]))"
+        )
+        status = httpx.get(f"{generator_server.url}/status.json", timeout=10).json()
+        errors = page.errors()
+    assert traffic.sent > 0 and set(traffic.statuses) == {200}, set(traffic.statuses)
+    assert errors == []
+    assert status["generators"] == ["llama"]
+    assert dom["hidden"] is False and dom["window"] == "60"
+    assert dom["charts"] == CHARTS + GENERATION_CHARTS
+    assert all(count > 30 for count in pixels.values()), pixels
+    for name, chart_boxes in boxes.items():
+        assert overlapping(chart_boxes) == [], (name, chart_boxes)
+    # The tiles show the sample the page names, every generation figure of it.
+    [sample] = [s for s in status["samples"] if s["t"] == float(dom["t"])]
+    assert [tile["id"] for tile in dom["values"]] == list(GENERATION_FIELDS)
+    for tile in dom["values"]:
+        expected = sample[tile["id"]]
+        if expected is None:
+            assert (tile["value"], tile["text"]) == ("", "\u2013"), tile
+            continue
+        assert float(tile["value"]) == expected, tile
+        shown = float(re.sub(r"[^\d.\-]", "", tile["text"]))
+        assert abs(shown - expected * UNIT_SCALE[tile["unit"]]) <= 0.5, tile
+    assert 0 < sample["tbt_p50_ms"] <= sample["tbt_p99_ms"]
+    assert 0 < sample["ttft_p50_ms"] <= sample["ttft_p99_ms"]
+    assert sample["kv_cache_budget_bytes"] > 0
+    # Generation requests count in the page's requests and latency too.
+    assert any(s["requests_per_s"] > 0 and s["latency_p99_ms"] for s in status["samples"])

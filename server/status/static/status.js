@@ -3,7 +3,7 @@
 (function () {
   const MiB = 1024 * 1024;
   const COLORS = { blue: "#1f77b4", orange: "#ff7f0e", green: "#2ca02c", red: "#d62728", purple: "#9467bd" };
-  const state = { samples: [], windowS: 300, lastT: null, charts: {} };
+  const state = { samples: [], windowS: 300, lastT: null, charts: {}, generation: false };
 
   function format(value, unit) {
     if (value === null || value === undefined) return "–";
@@ -108,6 +108,36 @@
     ], [{ scale: "mib", label: "batch MiB" }, { scale: "free", side: 1, label: "free MiB", grid: { show: false } }]);
   }
 
+  // Drawn only for a replica that serves a generator: one without has no empty charts.
+  function createGenerationCharts() {
+    state.charts.generationTokens = makeChart("chart-generation-tokens", "Generation: tokens/s", [
+      { field: "generated_tokens_per_s", label: "generated/s", color: COLORS.blue, scale: "rate" },
+      { field: "prompt_tokens_per_s", label: "prompt/s", color: COLORS.orange, scale: "rate" },
+    ], [{ scale: "rate", label: "tokens/s" }]);
+    state.charts.generationLatency = makeChart("chart-generation-latency", "First token and between tokens (over the window)", [
+      { field: "ttft_p50_ms", label: "first p50 ms", color: COLORS.blue, scale: "first" },
+      { field: "ttft_p99_ms", label: "first p99 ms", color: COLORS.red, scale: "first" },
+      { field: "tbt_p50_ms", label: "between p50 ms", color: COLORS.green, scale: "between" },
+      { field: "tbt_p99_ms", label: "between p99 ms", color: COLORS.purple, scale: "between" },
+    ], [{ scale: "first", label: "first token ms" }, { scale: "between", side: 1, label: "between ms", grid: { show: false } }]);
+    state.charts.generationSequences = makeChart("chart-generation-sequences", "Sequences", [
+      { field: "running_sequences", label: "running", color: COLORS.blue, scale: "seqs" },
+      { field: "waiting_sequences", label: "waiting", color: COLORS.orange, scale: "seqs" },
+    ], [{ scale: "seqs", label: "sequences" }]);
+    state.charts.generationCache = makeChart("chart-generation-cache", "Key/value cache (MiB)", [
+      { field: "kv_cache_bytes", label: "held", color: COLORS.blue, scale: "mib", factor: 1 / MiB },
+      { field: "kv_cache_budget_bytes", label: "budget", color: COLORS.orange, scale: "mib", factor: 1 / MiB },
+    ], [{ scale: "mib", label: "MiB" }]);
+  }
+
+  function showGeneration(body) {
+    document.getElementById("generation-window").textContent = String(body.window_s);
+    if (state.generation || !(body.generators && body.generators.length)) return;
+    state.generation = true;
+    document.getElementById("generation").hidden = false;  // before the charts measure it
+    createGenerationCharts();
+  }
+
   function redraw() {
     const xs = state.samples.map((s) => s.t);
     for (const chart of Object.values(state.charts)) {
@@ -119,7 +149,7 @@
     const last = state.samples[state.samples.length - 1];
     const summary = document.getElementById("summary");
     if (last) {
-      for (const el of summary.querySelectorAll(".value")) {
+      for (const el of document.querySelectorAll("#summary .value, #generation-summary .value")) {
         const value = last[el.id];
         el.dataset.value = value === null || value === undefined ? "" : String(value);
         el.textContent = format(value, el.dataset.unit);
@@ -162,6 +192,7 @@
       const oldest = (state.lastT || 0) - state.windowS;
       state.samples = state.samples.filter((s) => s.t > oldest);
       showModel(body.model);
+      showGeneration(body);
       showSummary(body);
       redraw();
     } catch (error) {
