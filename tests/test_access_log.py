@@ -46,8 +46,9 @@ async def test_one_json_line_per_request_without_the_text(registry, capsys):
     assert fourth["cache_hits"] == 1 and fourth["batch_sizes"] == [1]
     assert set(first) == {
         "time", "request_id", "method", "endpoint", "status", "error_type", "inputs", "tokens",
-        "queue_wait_s", "batch_sizes", "cache_hits", "duration_s",
+        "queue_wait_s", "batch_sizes", "cache_hits", "generated_tokens", "duration_s",
     }  # fmt: skip
+    assert first["generated_tokens"] is None  # a generation request's count
 
 
 async def test_no_access_log_unless_asked(registry, capsys):

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import re
 import socket
 
 import httpx
@@ -54,7 +55,7 @@ def test_every_metric_follows_prometheus_naming():
             assert not name.endswith("_total"), name
         if "memory" in name or "peak_bytes" in name or name.endswith("_bytes"):
             assert name.endswith(("_bytes", "_ratio")), f"{name}: memory in bytes"
-        if any(word in name for word in ("duration", "wait", "latency")):
+        if re.search(r"(^|_)(duration|wait|latency)(_|$)", name):
             assert name.endswith("_seconds"), f"{name}: times in seconds"
         labels = {label for sample in family.samples for label in sample.labels}
         assert labels <= LOW_CARDINALITY_LABELS, (name, labels)

@@ -3,10 +3,12 @@
 Registered with transformers' ``AttentionInterface`` under ``IMPLEMENTATION``; a model set to
 it builds no mask of its own (a custom implementation has no mask function), and its
 attention layers call ``attend`` with the packed queries of every sequence of the step. Each
-sequence then goes through transformers' own ``sdpa_attention_forward`` on the shapes
-``generate`` gives it for one sequence: a decode token against every cached key without a
-mask, a first chunk with ``is_causal``, a later chunk with a causal mask offset by what is
-cached, and sliding-window layers on their window only.
+sequence goes through torch's scaled-dot-product attention on the shapes ``generate`` gives
+it for one sequence, chosen as transformers' ``sdpa_attention_forward`` chooses: a decode
+token against every cached key without a mask, a first chunk with ``is_causal``, a later
+chunk with a causal mask offset by what is cached, and sliding-window layers on their window
+only. The kernel is called directly: the wrapper's checks, run for every sequence of every
+layer, cost more than the attention of a short sequence.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention as sdpa
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv import StepCache
 
 IMPLEMENTATION = "batchfit_packed"
+GQA_HEAD_DIM = 256
+"""Past this head width transformers repeats the key/value heads instead of asking the
+kernel for grouped-query attention (``use_gqa_in_sdpa``); so do we."""
 
 
 def attend(
@@ -38,6 +43,7 @@ def attend(
     step: StepCache = kwargs.pop("batchfit_step")
     layer = module.layer_idx
     window = sliding_window or getattr(module, "sliding_window", None) or None
+    groups = getattr(module, "num_key_value_groups", 1)
     outputs = []
     for index, ((first, end), start, buffer) in enumerate(
         zip(step.spans, step.starts, step.buffers, strict=True)
@@ -47,12 +53,28 @@ def attend(
         stop = start + count
         keys = buffer[layer, 0, :, lowest:stop].unsqueeze(0)
         values = buffer[layer, 1, :, lowest:stop].unsqueeze(0)
-        out, _ = sdpa_attention_forward(
-            module, query[:, :, first:end], keys, values, mask, dropout=0.0, scaling=scaling,
-            is_causal=causal,
-        )  # fmt: skip
-        outputs.append(out)
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+        outputs.append(_one(query[:, :, first:end], keys, values, mask, causal, scaling, groups))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _one(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+    causal: bool, scaling: float | None, groups: int,
+) -> torch.Tensor:  # fmt: skip
+    """One sequence's attention, ``[1, heads, n, head_dim]``, with the kernel options
+    transformers' ``sdpa_attention_forward`` picks for the same shapes."""
+    if groups > 1:
+        if mask is None and keys.shape[-1] <= GQA_HEAD_DIM:
+            return sdpa(query, keys, values, is_causal=causal, scale=scaling, enable_gqa=True)
+        if query.shape[2] == 1:  # one query: its heads of a group as that group's queries
+            heads, dim = query.shape[1], query.shape[3]
+            packed = query.reshape(1, heads // groups, groups, dim)
+            out = sdpa(packed, keys, values, attn_mask=mask, scale=scaling)
+            return out.reshape(1, heads, 1, dim)
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    return sdpa(query, keys, values, attn_mask=mask, is_causal=causal, scale=scaling)
 
 
 def _reach(
