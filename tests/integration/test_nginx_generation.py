@@ -7,6 +7,7 @@ own."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -243,6 +244,28 @@ def test_a_stream_that_has_started_is_never_retried(cluster, tmp_path):
     assert cut_stream.error.startswith("peer closed connection")
     (whole,) = [s for rid, s in streams.items() if rid != cut["request_id"]]
     assert whole.error == "" and whole.events[-1][1] == "[DONE]"
+
+
+def cancelled_sequences(metrics_url: str) -> float:
+    scrape = httpx.get(metrics_url, timeout=10).text
+    series = f'batchfit_generation_finished_sequences_total{{model="{MODEL}",reason="cancelled"}}'
+    pattern = rf"^{re.escape(series)} (\S+)$"
+    return float(re.search(pattern, scrape, re.MULTILINE).group(1))
+
+
+def test_a_whole_generation_past_the_read_timeout_is_a_504_and_its_sequences_end(cluster, tmp_path):
+    """Nginx gives up on a non-streamed generation at its read timeout (here 2 s: 32 sequences
+    of 480 tokens take longer) and closes the connection: the replica cancels its sequences."""
+    metrics_url = cluster.metrics_urls["replica-0"]
+    before = cancelled_sequences(metrics_url)
+    body = completion(MODEL, prompt=[f"Prompt {i}" for i in range(4)], n=8)
+    with run_nginx(tmp_path, [cluster.address("replica-0")], read_timeout_s=2) as nginx:
+        answer = httpx.post(f"{nginx.url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 504 and answer.json()["error_type"] == "gateway_timeout"
+    deadline = time.monotonic() + 20
+    while cancelled_sequences(metrics_url) - before < 32 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cancelled_sequences(metrics_url) - before == 32
 
 
 def test_the_generation_read_timeout_is_its_own_and_never_retried(tmp_path):
