@@ -46,7 +46,8 @@ class RequestStream:
 
     __slots__ = ("_ended", "_error", "_events", "_waiter", "closed", "num_sequences")
 
-    def __init__(self, num_sequences: int = 1) -> None:
+    def __init__(self, num_sequences: int | None = 1) -> None:
+        """``num_sequences`` None: ended by ``end`` or ``fail`` only (a relayed stream)."""
         self.num_sequences = num_sequences
         self._events: collections.deque[TokenEvent] = collections.deque()
         self._error: BaseException | None = None
@@ -59,7 +60,7 @@ class RequestStream:
         if self.closed:
             return
         self._events.append(event)
-        if event.finish_reason is not None:
+        if event.finish_reason is not None and self.num_sequences is not None:
             self._ended += 1
             self.closed = self._ended >= self.num_sequences
         self._wake()
@@ -71,6 +72,16 @@ class RequestStream:
         self._error = error
         self.closed = True
         self._wake()
+
+    def end(self) -> None:
+        """Nothing more goes in (a stream relayed from elsewhere, whose source said so)."""
+        if not self.closed:
+            self.closed = True
+            self._wake()
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
 
     def _wake(self) -> None:
         waiter = self._waiter

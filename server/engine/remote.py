@@ -14,7 +14,6 @@ A generation request's tokens come back as they are generated (``RemoteGeneratio
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import logging
@@ -27,7 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from batching import ModelThread
-from generation import SequenceSpec, TokenEvent
+from generation import RequestStream, SequenceSpec, TokenEvent
 from models import ModelInfo, ProfileStatus
 
 from ..errors import ApiError, deadline_exceeded, draining, model_not_found, not_ready
@@ -106,10 +105,8 @@ class RemoteGeneration:
         self.model = model
         self.number = number
         self._runtime = runtime
-        self._events: collections.deque[TokenEvent] = collections.deque()
-        self._error: BaseException | None = None
-        self._ended = False  # every event is in (END): next_events says EOFError after them
-        self._waiter: asyncio.Future[None] | None = None
+        self.stream = RequestStream(num_sequences=None)
+        """The engine's events for it; closed by ``END`` (after them), or by an error."""
         self._sent = False
         self._engine_done = False  # the engine has forgotten it (END, ERROR, or our CANCEL)
         self._timer: asyncio.TimerHandle | None = None
@@ -124,7 +121,7 @@ class RemoteGeneration:
         # nothing of it.
         if client is not None:
             self._unsubscribe = client.subscribe(lambda: self.fail(ClientDisconnected()))
-        if self._error is not None:
+        if self.stream.failed:
             return
         self._runtime._send(
             wire.GENERATE, (self.number, self.model, priority, timeout_s), wire.dumps(list(specs))
@@ -140,9 +137,8 @@ class RemoteGeneration:
 
     def put(self, events: list[TokenEvent]) -> None:
         self._heard()
-        if self._error is None and not self._ended:
-            self._events.extend(events)
-            self._wake()
+        for event in events:
+            self.stream.put(event)
 
     def end(self, error: BaseException | None = None) -> None:
         """The engine's ``END`` (None) or ``ERROR``."""
@@ -150,9 +146,8 @@ class RemoteGeneration:
         self._engine_done = True
         if error is not None:
             self.fail(error)
-        elif self._error is None:
-            self._ended = True
-            self._wake()
+        else:
+            self.stream.end()
 
     def _heard(self) -> None:
         if self._timer is not None:
@@ -164,39 +159,20 @@ class RemoteGeneration:
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` after the events already in it; the engine is told
         to cancel (where it is still there to hear it)."""
-        if self._error is not None or self._ended:
+        if self.stream.closed:
             return
-        self._error = error
+        self.stream.fail(error)
         self._heard()
         self._cancel()
-        self._wake()
 
     def _cancel(self) -> None:
         if self._sent and not self._engine_done:
             self._engine_done = True  # it ignores a CANCEL for a number it has forgotten
             self._runtime._send(wire.CANCEL, (self.number,))
 
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
     async def next_events(self) -> list[TokenEvent]:
-        """As ``RequestStream.next_events``: every event waiting (at least one); the error
-        once the events before it are read; ``EOFError`` at the end."""
-        while not self._events:
-            if self._error is not None:
-                raise self._error
-            if self._ended:
-                raise EOFError
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        events = list(self._events)
-        self._events.clear()
-        return events
+        """As ``RequestStream.next_events``."""
+        return await self.stream.next_events()
 
     def close(self) -> None:
         """Done with it: the engine cancels any sequence that still runs."""

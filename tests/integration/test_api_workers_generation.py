@@ -107,7 +107,24 @@ def idle(url: str) -> None:
 # -- a real replica -------------------------------------------------------------------------
 
 
-def test_a_completion_equals_one_processs(replicas):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_equals_one_processs(replicas, stream):
+    """Single prompts, and two prompts in one streamed request (two sequences, whose stream
+    ends only once both have; the replica lets two wait)."""
+    if stream:
+        body = completion(prompt=["One two", "The quick brown fox"], max_tokens=12, stream=True)
+        texts = []
+        for r in (replicas.workers, replicas.single):
+            with httpx.stream("POST", f"{r.url}/v1/completions", json=body, timeout=120) as got:
+                lines = [line for line in got.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            by_choice = ["", ""]
+            for line in lines[:-1]:
+                choice = json.loads(line[6:])["choices"][0]
+                by_choice[choice["index"]] += choice["text"]
+            texts.append(by_choice)
+        assert texts[0] == texts[1] and all(texts[0])
+        return
     for prompt in ("The quick brown fox", [5, 17, 99, 3, 250, 41]):
         body = completion(prompt=prompt, max_tokens=24, logprobs=2)
         answers = [
