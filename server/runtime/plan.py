@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -14,6 +15,9 @@ from ..settings import Settings
 from .announce import outputs
 from .runtime import Runtime
 from .slot import ModelSlot
+
+if TYPE_CHECKING:
+    from generation import GenerationEngine
 
 MiB = 2**20
 # The settings that change the plan: the model, how it is loaded, and the sizer's limits. The
@@ -50,6 +54,9 @@ def memory_plan(settings: Settings) -> str:
 def describe(runtime: Runtime, slot: ModelSlot | None = None) -> str:
     """One model's plan (default: the default model's)."""
     slot = slot or runtime.slot()
+    engine = runtime.generators.engines.get(slot.name)
+    if engine is not None:
+        return _generator_plan(runtime, slot, engine)
     assert slot.model is not None and isinstance(slot.sizer, AdaptiveSizer)
     info, sizer = slot.info, slot.sizer
     reading = runtime.probe.read() if runtime.probe is not None else None
@@ -88,6 +95,37 @@ def describe(runtime: Runtime, slot: ModelSlot | None = None) -> str:
             f"{length:>8} {_mib(sizer.predict(1, length)):>11} {_mib(sizer.predict(8, length)):>11}"
             f" {_mib(sizer.predict(32, length)):>11} {largest_batch(budget, length):>16}{beyond}"
         )
+    return "\n".join(lines)
+
+
+def _generator_plan(runtime: Runtime, slot: ModelSlot, engine: GenerationEngine) -> str:
+    """A generator's plan: its key/value store's cost per token, and the tokens the memory
+    free now holds, shared by the sequences that run."""
+    info, config = slot.info, engine.config
+    reading = runtime.probe.read() if runtime.probe is not None else None
+    free = reading.free_bytes if reading is not None else None
+    per_token = engine.model.cache_bytes_per_token
+    step = engine.model.step_bytes(config.max_step_tokens, 0, config.max_running)
+    room = None if free is None else max(0.0, free * (1 - config.headroom_fraction) - step)
+    tokens = "n/a" if room is None else f"{room / per_token:,.0f}"
+    context = info.max_input_tokens
+    lines = [
+        f"model        {slot.name} ({info.task}) on {info.device}, {info.dtype}",
+        f"parameters   {info.num_parameters:,} ({_mib(info.shape.parameter_bytes)})",
+        f"context      {context} tokens",
+        f"outputs      {outputs(info)}",
+        f"  architecture        {_architecture(info)}",
+        "",
+        f"memory limit {reading.limit.describe() if reading and reading.limit else 'n/a'}",
+        f"memory now   free {_mib(free)} ({', '.join(reading.sources) if reading else 'no probe'})"
+        f", headroom {config.headroom_fraction:.0%}",
+        f"cache        {per_token:,} bytes a token (keys and values of every layer), allocated "
+        "per sequence as it grows",
+        f"step         at most {config.max_running} sequences, {config.max_step_tokens} tokens; "
+        f"activations up to {_mib(step)}",
+        f"room         {_mib(room)} for the cache now: {tokens} tokens, "
+        + ("n/a" if room is None else f"{room / per_token / context:,.1f} full contexts"),
+    ]
     return "\n".join(lines)
 
 

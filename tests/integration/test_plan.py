@@ -26,3 +26,22 @@ def test_plan_prints_the_memory_plan_for_the_bundled_model():
     assert [int(length) for length, _ in rows] == [16, 32, 64, 128, 256]
     fits = [int(n) for _, n in rows]
     assert fits == sorted(fits, reverse=True) and fits[-1] >= 1
+
+
+def test_plan_prints_a_generators_cache_plan(tmp_path):
+    from tests.generators import tiny_generator
+
+    folder = tiny_generator(tmp_path, "llama")
+    result = subprocess.run(
+        [sys.executable, "-m", "server", "plan", "--model", str(folder), "--memory-limit",
+         "700MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "model        llama (generate) on cpu, float32" in out
+    # 2 layers x keys and values x 2 key/value heads x 16 wide x 4 bytes
+    assert "cache        512 bytes a token" in out
+    room = re.search(r"room\s+([\d,.]+) MiB for the cache now: ([\d,]+) tokens", out)
+    assert room
+    mib, tokens = (float(group.replace(",", "")) for group in room.groups())
+    assert 0 < mib < 700 and abs(tokens * 512 / 2**20 - mib) < 0.1
