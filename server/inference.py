@@ -21,6 +21,19 @@ def runtime_of(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
+TASK_ROUTES = {
+    "rerank": "rerankers answer POST /v1/rerank",
+    "generate": "generators answer POST /v1/completions and POST /v1/chat/completions",
+}
+
+
+def task_hint(task: str) -> str:
+    """Where a model of ``task`` is answered, for a ``wrong_task`` message ("" for the
+    tasks most routes serve)."""
+    route = TASK_ROUTES.get(task)
+    return f"; {route}" if route else ""
+
+
 def slot_for_task(
     request: Request, model: str | None, tasks: tuple[str, ...], endpoint: str,
     *, default_task: str | None = None,
@@ -30,7 +43,7 @@ def slot_for_task(
     slot = runtime_of(request).slot(model, task=default_task)
     request.state.model = slot.name  # the model label of the request's metrics
     if slot.info.task not in tasks:
-        hint = "; rerankers answer POST /v1/rerank" if slot.info.task == "rerank" else ""
+        hint = task_hint(slot.info.task)
         raise ApiError(
             400, "wrong_task",
             f"model {slot.name!r} does {slot.info.task}, which {endpoint} does not serve{hint}",

@@ -21,7 +21,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from models import ModelInfo
 
 from ..errors import ApiError, draining, not_ready, request_id_of
-from ..inference import check_inputs, check_prompt, infer_for_request, runtime_of, shape_outputs
+from ..inference import (
+    check_inputs,
+    check_prompt,
+    infer_for_request,
+    runtime_of,
+    shape_outputs,
+    task_hint,
+)
 from ..lean import (
     JsonAnswer,
     encode_json,
@@ -109,6 +116,8 @@ def _slot(request: Request, name: str, version: str | None = None) -> ModelSlot:
 def _outputs_of(info: ModelInfo) -> list[dict[str, Any]]:
     if info.task == "rerank":  # listed in metadata; inference is POST /v1/rerank
         return [{"name": "score", "datatype": "FP32", "shape": [-1]}]
+    if info.task == "generate":  # likewise; generation is POST /v1/completions
+        return [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]
     if info.task == "classify":
         return [
             {"name": "label", "datatype": "BYTES", "shape": [-1]},
@@ -224,7 +233,7 @@ async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
     if info.task not in ("embed", "classify"):
         raise ApiError(
             400, "wrong_task",
-            f"{slot.name} is a {info.task} model; rerankers answer POST /v1/rerank",
+            f"{slot.name} is a {info.task} model{task_hint(info.task)}",
         )  # fmt: skip
     raw = await read_body(request.receive)
     require_json_media_type(request.headers.get("content-type"), BINARY_MEDIA_TYPE)
