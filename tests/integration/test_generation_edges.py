@@ -161,3 +161,9 @@ def test_sigterm_lets_a_running_stream_finish_and_refuses_new_and_waiting_work(t
         chunks = [json.loads(line[6:]) for line in data[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert server.process.wait(30) == 0
+
+
+def test_models_lists_the_generators_with_their_context_length(replica):
+    cards = {card["name"]: card for card in httpx.get(f"{replica.url}/v1/models").json()["models"]}
+    assert cards["chat"]["task"] == cards["plain"]["task"] == "generate"
+    assert cards["chat"]["context_length"] == CONTEXT and cards["emb"]["context_length"] is None
