@@ -207,9 +207,10 @@ class GenerationEngine:
             self._preempt(seq, "memory")
         chunks = []
         for seq in plan.decode:
-            chunks.append(
-                SeqChunk(seq.seq_id, (seq.output_ids[-1],), seq.num_cached, seq.spec.sampling)
-            )
+            # NOTE: its one pending token is its latest output, or the last of a prompt whose
+            # chunks left exactly one token: read it from the sequence, not from its outputs.
+            token = seq.tokens(seq.num_cached, seq.num_cached + 1)
+            chunks.append(SeqChunk(seq.seq_id, token, seq.num_cached, seq.spec.sampling))
         for seq, count in plan.prefill:
             if seq.state is SeqState.WAITING:
                 self._admit(seq, now)

@@ -16,7 +16,13 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from batching import ModelThread, MonotonicClock
-from generation import EngineConfig, GenerationEngine, GenerationMetrics, SequenceSpec
+from generation import (
+    EngineConfig,
+    GenerationEngine,
+    GenerationMetrics,
+    RequestStream,
+    SequenceSpec,
+)
 from models import Generator, ModelSpec, SamplingParams, load_model
 from tests.families import TEXTS, _byte_level_bpe, _save_tokenizer
 
@@ -110,7 +116,8 @@ def reference(folder: Path, prompts: Sequence[Sequence[int]], max_tokens: int) -
     for prompt in prompts:
         with torch.inference_mode():
             out = module.generate(
-                torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                torch.tensor([list(prompt)]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=max_tokens, do_sample=False,
                 output_scores=True, return_dict_in_generate=True,
             )  # fmt: skip
@@ -156,7 +163,7 @@ async def engine_outputs(
         )
         streams.append(stream)
 
-    async def tokens(stream) -> list[int]:  # noqa: ANN001
+    async def tokens(stream: RequestStream) -> list[int]:
         found: list[int] = []
         while True:
             try:

@@ -285,3 +285,19 @@ async def test_stopping_ends_every_stream(thread):
     await stop(engine, task)
     with pytest.raises(ShuttingDown):
         await read_all(stream)
+
+
+async def test_a_prompt_whose_chunks_leave_one_token_goes_on_with_that_token(thread):
+    """Chunks of 9 over a 10-token prompt leave its last token: the step after feeds it (a
+    sequence with one token pending and no output yet) and samples the first token."""
+    model = ScriptedGenerator()
+    engine, task = await started(
+        model, thread, max_step_tokens=9, default_prefill_tokens=9, max_running=4
+    )
+    streams = [engine.submit([spec(10, 3)], timeout_s=10) for _ in range(3)]
+    results = [await read_all(stream) for stream, _ in streams]
+    await stop(engine, task)
+    for (_, (seq,)), events in zip(streams, results, strict=True):
+        assert seq.output_ids == [20, 21, 22] and events[-1].finish_reason == "length"
+    fed = [(c[1], c[2]) for step in model.steps for c in step if c[0] == streams[0][1][0].seq_id]
+    assert fed[:2] == [(0, 9), (9, 1)]

@@ -44,7 +44,8 @@ def test_the_detokenizer_pieces_add_up_to_the_decoded_text(tmp_path):
         ids = prompts.encode(text, add_special_tokens=False)
         detokenizer = prompts.detokenizer(ids[:3])
         pieces = [detokenizer.add(token) for token in ids[3:]]
-        assert "".join(pieces) == prompts.decode(ids[3:]) or "".join(pieces) == (
-            prompts.decode(ids)[len(prompts.decode(ids[:3])) :]
+        assert (
+            "".join(pieces) == prompts.decode(ids[3:])
+            or "".join(pieces) == (prompts.decode(ids)[len(prompts.decode(ids[:3])) :])
         )
         assert all("\ufffd" not in piece for piece in pieces)
