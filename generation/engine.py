@@ -27,7 +27,15 @@ from batching import (
     QueueFull,
     ShuttingDown,
 )
-from models import DeviceError, Generator, ModelOutOfMemory, SeqChunk, StepRequest, StepResult
+from models import (
+    DeviceError,
+    Generator,
+    ModelOutOfMemory,
+    SamplingParams,
+    SeqChunk,
+    StepRequest,
+    StepResult,
+)
 
 from .ceiling import StepCeiling
 from .metrics import ModelGenerationMetrics
@@ -153,6 +161,41 @@ class GenerationEngine:
         self.running, self.waiting = [], []
         self.metrics.running.set(0)
         self.metrics.waiting.set(0)
+
+    async def warm_up(self) -> None:
+        """Run the model's first passes (so that the first request does not pay for them),
+        then steps of a few shapes, timed, from which the step time model sizes prefill
+        chunks from the first request on. Its sequences are freed after."""
+        greedy = SamplingParams(temperature=0.0)
+
+        async def step(chunks: list[SeqChunk]) -> float:
+            started = self._clock.now()
+            await self._thread.call(self.model.step, StepRequest(chunks))
+            return self._clock.now() - started
+
+        await step([SeqChunk(-1, list(range(1, 65)), 0, greedy)])
+        await step([SeqChunk(-1, [1], 64, greedy)])
+        lengths = {-1: 65}
+        # New prompts (id: length), each followed by decode steps of every sequence: steps
+        # of 1 to 260 tokens over 1 to 5 sequences, so that the fit tells its terms apart.
+        for prompts, decode_steps in (({}, 3), ({-2: 16, -3: 16, -4: 16}, 3), ({-5: 256}, 2)):
+            for number in range(decode_steps + 1):
+                chunks = [SeqChunk(i, [1], n, greedy) for i, n in lengths.items()]
+                if number == 0:
+                    chunks += [SeqChunk(i, [1] * n, 0, greedy) for i, n in prompts.items()]
+                elapsed = await step(chunks)
+                self.time_model.observe(sum(len(c.token_ids) for c in chunks), len(chunks),
+                                        elapsed)  # fmt: skip
+                lengths = {c.seq_id: c.start + len(c.token_ids) for c in chunks}
+        self.cache_bytes = await self._thread.call(
+            lambda: self.model.free(list(lengths), forget=True)
+        )
+        if self.time_model.coefficients is not None:
+            a, b, d = self.time_model.coefficients
+            log.info(
+                "generator %s warmed up: a step takes %.1f ms, and %.2f ms more a token, "
+                "%.2f ms a sequence", self.name, a * 1e3, b * 1e3, d * 1e3,
+            )  # fmt: skip
 
     @property
     def busy(self) -> bool:

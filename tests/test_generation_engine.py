@@ -301,3 +301,16 @@ async def test_a_prompt_whose_chunks_leave_one_token_goes_on_with_that_token(thr
         assert seq.output_ids == [20, 21, 22] and events[-1].finish_reason == "length"
     fed = [(c[1], c[2]) for step in model.steps for c in step if c[0] == streams[0][1][0].seq_id]
     assert fed[:2] == [(0, 9), (9, 1)]
+
+
+async def test_warm_up_fits_the_step_time_model_and_frees_what_it_ran(thread):
+    model = ScriptedGenerator()
+    engine = GenerationEngine(
+        name="m", model=model, model_thread=thread, clock=MonotonicClock(),
+        metrics=GenerationMetrics(CollectorRegistry(), max_step_tokens=2048).for_model("m"),
+        config=EngineConfig(),
+    )  # fmt: skip
+    await engine.warm_up()
+    assert engine.time_model.coefficients is not None
+    assert model.cached == {} and engine.cache_bytes == 0
+    assert max(sum(n for _, _, n in step) for step in model.steps) >= 256

@@ -20,15 +20,12 @@ from generation import (
     TokenEvent,
 )
 from generation import Sequence as GenSequence
-from models import Generator, SampledToken, SamplingParams, SeqChunk, StepRequest
+from models import Generator
 
 from .tracking import WorkTracker
 from .waiting import ClientDisconnected, ClientWatch
 
 log = logging.getLogger("batchfit")
-
-WARMUP_PROMPT_TOKENS = 64
-WARMUP_STEPS = 4
 
 
 class GenerationRun:
@@ -125,27 +122,3 @@ class Generators:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-
-
-async def warm_up_generator(model: Generator, model_thread: ModelThread, name: str) -> float:
-    """Run a prompt and a few decode steps once, so that the first request does not pay for
-    torch's first passes; return the seconds a decode step took."""
-    greedy = SamplingParams(temperature=0.0)
-    prompt = list(range(1, WARMUP_PROMPT_TOKENS + 1))
-    seq_id = -1
-    result = await model_thread.call(model.step, StepRequest([SeqChunk(seq_id, prompt, 0, greedy)]))
-    position = len(prompt)
-    loop = asyncio.get_running_loop()
-    decode_s = 0.0
-    for _ in range(WARMUP_STEPS):
-        token: SampledToken = result.tokens[0]
-        started = loop.time()
-        result = await model_thread.call(
-            model.step, StepRequest([SeqChunk(seq_id, [token.token_id], position, greedy)])
-        )
-        decode_s = loop.time() - started
-        position += 1
-    await model_thread.call(lambda: model.free([seq_id], forget=True))
-    log.info("generator %s warmed up: a decode step of one sequence took %.0f ms", name,
-             decode_s * 1e3)  # fmt: skip
-    return decode_s

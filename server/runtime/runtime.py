@@ -45,7 +45,7 @@ from ..settings import Settings
 from ..watchdog import exit_when_forward_hangs
 from .announce import ready_line
 from .contention import ThreadGuard
-from .generating import GenerationRun, Generators, warm_up_generator
+from .generating import GenerationRun, Generators
 from .requests import RequestPath
 from .slot import ModelSlot, by_name, make_sizer, make_slots
 from .startup import bound_cache, limit_host_memory, load, log_memory_limit, place_tokenizing
@@ -241,7 +241,11 @@ class Runtime:
             await self.model_thread.call(slot.model.forward, slot.model.synthetic_items(1, 8))
         for slot in generators:
             self.phase = f"warming up generator {slot.name}"
-            await warm_up_generator(slot.model, self.model_thread, slot.name)  # type: ignore[arg-type]
+            engine = self.generators.add(
+                slot.name, slot.model, model_thread=self.model_thread,  # type: ignore[arg-type]
+                config=self.settings.engine_config(), probe=self.probe,
+            )  # fmt: skip
+            await engine.warm_up()
         passes, threads_each = (
             side_shape(threads.num_threads, self.settings.cpu_passes)
             if info.device == "cpu" else (1, 0)
@@ -260,11 +264,6 @@ class Runtime:
             limit_host_memory(self.probe, self.settings.memory_limit)
         log_memory_limit(self.probe, self.memory_metrics)
         bound_cache(self.inputs, self.settings, encoders, self.probe, on_host=info.device == "cpu")
-        for slot in generators:
-            self.generators.add(
-                slot.name, slot.model, model_thread=self.model_thread,  # type: ignore[arg-type]
-                config=self.settings.engine_config(), probe=self.probe,
-            )  # fmt: skip
         if encoders:
             await self._start_batcher(encoders, threads_each)
         self.generators.start(self._batcher_done)
