@@ -43,7 +43,7 @@ from .scheduler import StepBudget, StepPlan, schedule
 from .sequence import SeqState, Sequence, SequenceSpec
 from .stream import RequestStream
 from .text import SequenceText, emit
-from .timing import StepTimeModel
+from .timing import PrefillPacer, StepTimeModel, attended
 
 log = logging.getLogger("batchfit.generation")
 
@@ -99,6 +99,7 @@ class GenerationEngine:
         self.cache_bytes = 0
         """What the store held after the latest step."""
         self.time_model = StepTimeModel()
+        self.pacer = PrefillPacer(self.time_model)
         self.ceiling = StepCeiling()
         """Lowered by an OOM inside a step, raised back by clean steps."""
         self.healthy = True
@@ -176,25 +177,32 @@ class GenerationEngine:
         await step([SeqChunk(-1, list(range(1, 65)), 0, greedy)])
         await step([SeqChunk(-1, [1], 64, greedy)])
         lengths = {-1: 65}
-        # New prompts (id: length), each followed by decode steps of every sequence: steps
-        # of 1 to 260 tokens over 1 to 5 sequences, so that the fit tells its terms apart.
-        for prompts, decode_steps in (({}, 3), ({-2: 16, -3: 16, -4: 16}, 3), ({-5: 256}, 2)):
+        # New prompts (id: (tokens, depth)), each followed by decode steps of every sequence:
+        # steps of 1 to 260 tokens over 1 to 5 sequences, chunks at the start of a prompt and
+        # deep into one, so that the fit tells its terms apart.
+        # The last, a short chunk beside decode tokens, is what pacing steps feed.
+        shapes = (
+            ({}, 3), ({-2: (16, 0), -3: (16, 0), -4: (16, 0)}, 3), ({-5: (256, 0)}, 2),
+            ({-6: (128, 320)}, 1), ({-7: (32, 200)}, 0),
+        )  # fmt: skip
+        for prompts, decode_steps in shapes:
             for number in range(decode_steps + 1):
                 chunks = [SeqChunk(i, [1], n, greedy) for i, n in lengths.items()]
+                decoding = len(chunks)
                 if number == 0:
-                    chunks += [SeqChunk(i, [1] * n, 0, greedy) for i, n in prompts.items()]
-                elapsed = await step(chunks)
-                self.time_model.observe(sum(len(c.token_ids) for c in chunks), len(chunks),
-                                        elapsed)  # fmt: skip
+                    chunks += [SeqChunk(i, [1] * n, depth, greedy)
+                               for i, (n, depth) in prompts.items()]  # fmt: skip
+                self._learn(StepRequest(chunks), decoding, await step(chunks))
                 lengths = {c.seq_id: c.start + len(c.token_ids) for c in chunks}
         self.cache_bytes = await self._thread.call(
             lambda: self.model.free(list(lengths), forget=True)
         )
         if self.time_model.coefficients is not None:
-            a, b, d = self.time_model.coefficients
+            a, b, c, d = self.time_model.coefficients
             log.info(
                 "generator %s warmed up: a step takes %.1f ms, and %.2f ms more a token, "
-                "%.2f ms a sequence", self.name, a * 1e3, b * 1e3, d * 1e3,
+                "%.2f ms a thousand query-key pairs, %.2f ms a sequence",
+                self.name, a * 1e3, b * 1e3, c * 1e6, d * 1e3,
             )  # fmt: skip
 
     @property
@@ -271,9 +279,12 @@ class GenerationEngine:
         config = self.config
         decoding = [s for s in self.running if s.num_pending <= 1]
         if decoding:
-            tokens = self.time_model.prefill_tokens(
-                len(decoding), len(decoding), config.prefill_time_factor
-            )
+            # The next prompt chunk starts where the first still prefilling stopped (a new
+            # prompt: at 0); how deep it is sets what its attention costs.
+            prefilling = [s for s in self.running if s.num_pending > 1]
+            depth = prefilling[0].num_cached if prefilling else 0
+            alone = self.pacer.alone(len(decoding), sum(s.num_cached + 1 for s in decoding))
+            tokens = self.pacer.tokens(alone, config.prefill_time_factor, depth=depth)
             prefill = config.default_prefill_tokens if tokens is None else max(tokens, 1)
         else:
             prefill = config.max_step_tokens
@@ -357,7 +368,7 @@ class GenerationEngine:
                 len(request.chunks), request.num_tokens, max_running=self.config.max_running,
                 max_step_tokens=self.config.max_step_tokens,
             )  # fmt: skip
-            self.time_model.observe(request.num_tokens, len(request.chunks), elapsed)
+            self._learn(request, len(plan.decode), elapsed)
             self.metrics.step_tokens.observe(request.num_tokens)
             self.metrics.step_duration.observe(elapsed)
         for chunk, seq in zip(request.chunks, stepped, strict=True):
@@ -415,6 +426,19 @@ class GenerationEngine:
                 )
                 self._end(seq, error=OutOfMemory(message, exc.requested_bytes))
 
+    def _learn(self, request: StepRequest, num_decode: int, elapsed_s: float) -> None:
+        """A step's time, for the time model; for the pacer too where it fed prompt tokens
+        beside decode tokens (its first ``num_decode`` chunks)."""
+        chunks = request.chunks
+        sampled = sum(chunk.sampling is not None for chunk in chunks)
+        self.time_model.observe(request.num_tokens, _attended(chunks), sampled, elapsed_s)
+        if num_decode == len(chunks):
+            self.pacer.observe_alone(num_decode, elapsed_s)
+        elif num_decode:
+            alone = self.pacer.alone(num_decode, _attended(chunks[:num_decode]))
+            if alone is not None:
+                self.pacer.observe(elapsed_s, alone, request.num_tokens - num_decode)
+
     def _retire(self, seq: Sequence) -> None:
         """It has its last token: out of the steps (its cache freed), its stream ended by
         ``emit``."""
@@ -448,3 +472,7 @@ class GenerationEngine:
     def _show_counts(self) -> None:
         self.metrics.running.set(len(self.running))
         self.metrics.waiting.set(len(self.waiting))
+
+
+def _attended(chunks: Seq[SeqChunk]) -> int:
+    return sum(attended(chunk.start, len(chunk.token_ids)) for chunk in chunks)

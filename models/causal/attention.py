@@ -67,11 +67,16 @@ def _one(
     if groups > 1:
         if mask is None and keys.shape[-1] <= GQA_HEAD_DIM:
             return sdpa(query, keys, values, is_causal=causal, scale=scaling, enable_gqa=True)
-        if query.shape[2] == 1:  # one query: its heads of a group as that group's queries
-            heads, dim = query.shape[1], query.shape[3]
-            packed = query.reshape(1, heads // groups, groups, dim)
+        if not causal:
+            # A group's query heads as that group's queries, one after the other, each row
+            # with its own mask: no copy of the keys and values for every head, as repeating
+            # them would make (4 copies of a deep prompt's keys, every layer, for Gemma 3).
+            heads, count, dim = query.shape[1], query.shape[2], query.shape[3]
+            packed = query.reshape(1, heads // groups, groups * count, dim)
+            if mask is not None:
+                mask = mask.repeat(1, 1, groups, 1)
             out = sdpa(packed, keys, values, attn_mask=mask, scale=scaling)
-            return out.reshape(1, heads, 1, dim)
+            return out.reshape(1, heads, count, dim)
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
     return sdpa(query, keys, values, attn_mask=mask, is_causal=causal, scale=scaling)
