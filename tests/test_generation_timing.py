@@ -4,7 +4,7 @@ prompt tokens a decode step may take beside its decode tokens."""
 import pytest
 
 from generation import StepTimeModel
-from generation.timing import MIN_STEPS, attended
+from generation.timing import MIN_STEPS, PrefillPacer, attended
 
 
 def cost(tokens: int, pairs: int, seqs: int) -> float:
@@ -19,7 +19,8 @@ def test_unfitted_it_predicts_nothing():
     model = StepTimeModel()
     for i in range(MIN_STEPS - 1):
         observe(model, i + 1, 10 * i, 1)
-    assert model.predict(10, 0, 1) is None and model.prefill_tokens(1, 0, 1, 2.0) is None
+    assert model.predict(10, 0, 1) is None and model.token_cost(0) is None
+    assert PrefillPacer(model).tokens(model.predict(1, 0, 1), 2.0) is None
 
 
 def fitted() -> StepTimeModel:
@@ -31,25 +32,28 @@ def fitted() -> StepTimeModel:
     return model
 
 
-def test_fitted_it_predicts_and_sizes_prefill_chunks():
+def test_fitted_it_predicts_steps_and_what_a_prompt_token_costs_at_a_depth():
     model = fitted()
     assert model.predict(32, 5000, 32) == pytest.approx(cost(32, 5000, 32), rel=1e-6)
-    # One decoding sequence of 100 tokens: within 1.8 times its step, about 40 prompt tokens
-    # at the start of a prompt.
-    tokens = model.prefill_tokens(1, 101, 1, 1.8)
-    step = cost(1 + tokens, 101 + attended(0, tokens), 2)
-    assert step <= 1.8 * cost(1, 101, 1) < cost(3 + tokens, 101 + attended(0, tokens + 2), 2)
-    assert model.prefill_tokens(64, 64 * 101, 64, 1.8) > tokens  # more decoding: longer chunks
+    assert model.token_cost(0) == pytest.approx(0.001)
+    assert model.token_cost(2000) == pytest.approx(0.001 + 2000 * 0.000001)
 
 
-def test_a_chunk_deep_in_a_long_prompt_is_shorter():
-    """Its tokens attend to the whole prompt before them."""
+def test_the_pacer_sizes_chunks_from_what_steps_beside_decode_tokens_took():
+    """Until such a step has run, the time model's cost of a token; then what the steps took
+    past their decode tokens' alone, a token: within ``factor`` of that alone."""
     model = fitted()
-    shallow = model.prefill_tokens(1, 101, 1, 1.8)
-    deep = model.prefill_tokens(1, 101, 1, 1.8, depth=2000)
-    assert deep < shallow
-    step = cost(1 + deep, 101 + attended(2000, deep), 2)
-    assert step <= 1.8 * cost(1, 101, 1) < cost(2 + deep, 101 + attended(2000, deep + 1), 2)
+    pacer = PrefillPacer(model)
+    alone = pacer.alone(1, 101)
+    assert alone == pytest.approx(cost(1, 101, 1))  # no decode step seen: the model's
+    assert pacer.tokens(alone, 1.8) == int(0.8 * alone / 0.001)
+    pacer.observe_alone(1, 0.060)
+    assert pacer.alone(1, 101) == pytest.approx(0.060)
+    pacer.observe(elapsed_s=0.100, alone_s=0.060, prefill_tokens=10)  # 4 ms a token
+    assert pacer.token_cost_s == pytest.approx(0.004)
+    assert pacer.tokens(0.060, 1.8) == 12  # 48 ms of room
+    pacer.observe(elapsed_s=0.080, alone_s=0.060, prefill_tokens=10)  # then 2 ms
+    assert pacer.token_cost_s == pytest.approx(0.004 + 0.3 * (0.002 - 0.004))
 
 
 def test_a_term_that_fits_negative_is_dropped():
