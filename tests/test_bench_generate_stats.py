@@ -151,3 +151,18 @@ def test_the_host_is_busy_in_every_state_but_idle_and_io_wait():
     stat = "cpu  100 10 50 1000 30 5 5 2 0 0\ncpu0 50 5 25 500 15 2 3 1 0 0\n"
     assert host_busy_seconds(stat) == pytest.approx(172 / os.sysconf("SC_CLK_TCK"))
     assert math.isnan(host_busy_seconds("nonsense"))
+
+
+def test_one_stream_ratios_read_the_figures_measured_in_turn_where_there_are_some():
+    result = _result()
+    result.in_turn = {"naive": _level("naive", 1, 15.0, ttft=0.3, tbt=0.06),
+                      "batchfit": _level("batchfit", 1, 20.0, ttft=0.24, tbt=0.063)}  # fmt: skip
+    found = {r.name: r for r in ratios(result)}
+    assert found["batchfit / naive TTFT p50 at 1 stream (c=1, in turn)"].value == pytest.approx(0.8)
+    assert found["batchfit / naive TBT p50 at 1 stream (c=1, in turn)"].value == pytest.approx(1.05)
+    text = render_markdown(result, command="batchfit bench --generate")
+    assert "### 1 stream, in turn" in text and "| batchfit | 240 | 240 | 63 |" in text
+    result.in_turn, result.in_turn_error = {}, "PeerError: naive could not start"
+    text = render_markdown(result, command="batchfit bench --generate")
+    assert "Failed: PeerError: naive could not start" in text
+    assert "batchfit / naive TBT p50 at 1 stream" in {r.name for r in ratios(result)}

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .in_turn import IN_TURN
 from .runner import GenerateResult, PeerResult
 from .stats import GenLevelSummary
 
@@ -60,12 +61,15 @@ def ratios(result: GenerateResult) -> list[Ratio]:
         detail = f"{_num(ours)} / {_num(best)} ({which or '-'})"
         found.append(Ratio(f"batchfit / vLLM-best output tokens/s at {c} streams",
                            _ratio(ours, best), detail))  # fmt: skip
-    ours_1 = batchfit.level(1) if batchfit else None
-    naive_1 = naive.level(1) if naive else None
+    # At one stream, the figures of the two measured in turn where there are some.
+    turn = "naive" in result.in_turn and "batchfit" in result.in_turn
+    ours_1 = result.in_turn["batchfit"] if turn else (batchfit.level(1) if batchfit else None)
+    naive_1 = result.in_turn["naive"] if turn else (naive.level(1) if naive else None)
+    where = f" ({IN_TURN})" if turn else ""
     for label, attr in (("TTFT p50", "ttft_p50_s"), ("TBT p50", "tbt_p50_s")):
         a = getattr(ours_1, attr) if ours_1 else None
         b = getattr(naive_1, attr) if naive_1 else None
-        found.append(Ratio(f"batchfit / naive {label} at 1 stream", _ratio(a, b),
+        found.append(Ratio(f"batchfit / naive {label} at 1 stream{where}", _ratio(a, b),
                            f"{_ms(a)} ms / {_ms(b)} ms"))  # fmt: skip
     join = batchfit.join if batchfit else None
     found.append(Ratio(
@@ -118,6 +122,32 @@ def level_table(result: GenerateResult, concurrency: int) -> list[str]:
             f"| {_ms(s.ttft_p99_s)} | {_ms(s.tbt_p50_s)} | {_ms(s.tbt_p99_s)} "
             f"| {_ms(s.tbt_max_s)} | {s.num_requests} | {s.num_ok} | {s.num_cut} "
             f"| {_errors(s)} | {s.completion_tokens} | {_num(s.wall_s)} "
+            f"| {_num(s.other_cpus, 2)} |"
+        )
+    return [*lines, ""]
+
+
+def in_turn_table(result: GenerateResult) -> list[str]:
+    """The one-stream level again, naive and batchfit both running, their requests in turn."""
+    if not result.in_turn and result.in_turn_error is None:
+        return []
+    lines = [
+        "### 1 stream, in turn", "",
+        "Both servers started; each request of the one-stream level went to one and then the "
+        "other (the first alternating), so that both were measured at the same moments. The "
+        "one-stream ratios below read these figures.", "",
+    ]  # fmt: skip
+    if result.in_turn_error is not None:
+        return [*lines, f"Failed: {_cell(result.in_turn_error)}", ""]
+    lines += [
+        "| peer | TTFT p50 ms | TTFT p99 ms | TBT p50 ms | TBT p99 ms | requests | ok | tokens "
+        "| other CPUs |",
+        "| --- |" + " ---: |" * 8,
+    ]
+    for name, s in result.in_turn.items():
+        lines.append(
+            f"| {name} | {_ms(s.ttft_p50_s)} | {_ms(s.ttft_p99_s)} | {_ms(s.tbt_p50_s)} "
+            f"| {_ms(s.tbt_p99_s)} | {s.num_requests} | {s.num_ok} | {s.completion_tokens} "
             f"| {_num(s.other_cpus, 2)} |"
         )
     return [*lines, ""]
@@ -222,6 +252,7 @@ def render_markdown(result: GenerateResult, *, command: str) -> str:
     lines += ["", "## Peers", "", *peer_notes(result), "", "## Load levels", ""]
     for c in o.concurrency:
         lines += level_table(result, c)
+    lines += in_turn_table(result)
     lines += join_table(result)
     lines += [
         "## Ratios for the targets",

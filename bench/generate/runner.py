@@ -19,6 +19,7 @@ from .client import (
     served_model,
 )
 from .host import OtherLoad, tree_cpu_seconds, wait_for_quiet
+from .in_turn import IN_TURN, measure_in_turn
 from .limit import measure_limit
 from .options import GenerateOptions, Workload, build_workload, quick_options
 from .peers import (
@@ -63,6 +64,9 @@ class GenerateResult:
     limit_other_cpus: float = float("nan")
     """CPUs other work on the host took while the limit ran (its loading included)."""
     vllm_sweep: list[PeerResult] = field(default_factory=list)
+    in_turn: dict[str, GenLevelSummary] = field(default_factory=dict)
+    """One stream against batchfit and naive in turn (``in_turn.py``), by peer."""
+    in_turn_error: str | None = None
     vllm_env: str = ""
     started_at: str = ""
     cpu_count: int = 0
@@ -118,6 +122,17 @@ def run_generate(options: GenerateOptions, *, progress: Progress = log.info) -> 
             result.peers.append(_run_server(launch, workload, options, log_dir, progress))
         elif peer == "vllm":
             _run_vllm(result, workload, options, folder, log_dir, progress)
+    if {"naive", "batchfit"} <= set(options.peers) and 1 in workload.levels:
+        progress(f"naive and batchfit, {IN_TURN}")
+        try:
+            launches = [naive_launch(folder), batchfit_launch(model, options.batchfit_flags)]
+            result.in_turn = measure_in_turn(launches, workload, options, log_dir)
+        except Exception as exc:  # the other figures stand without it
+            result.in_turn_error = f"{type(exc).__name__}: {exc}"
+            progress(f"{IN_TURN} failed: {result.in_turn_error}")
+        for name, summary in result.in_turn.items():
+            progress(f"{name} {IN_TURN}: TTFT p50 {summary.ttft_p50_s * 1e3:.0f} ms, TBT p50 "
+                     f"{summary.tbt_p50_s * 1e3:.0f} ms")  # fmt: skip
     result.load_average_after = os.getloadavg()
     result.wall_s = time.perf_counter() - started
     return result
