@@ -223,7 +223,7 @@ def test_models_and_metrics_endpoints(server):
         "name": BUNDLED_MODEL, "task": "embed", "device": "cpu", "dtype": "float32",
         "max_input_tokens": 256, "output_dim": 384, "architecture": "encoder",
         "pooling": "mean", "normalize": True, "prompts": {}, "default_prompt_name": None,
-        "activation": None, "truncation_direction": "right",
+        "activation": None, "truncation_direction": "right", "context_length": None,
     }  # fmt: skip
     scrape = httpx.get(f"{server.url}/metrics").text
     for name in ("batchfit_requests_total", "batchfit_request_duration_seconds_bucket",
