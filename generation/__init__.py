@@ -5,7 +5,8 @@ Knows no concrete model and no HTTP: the engine drives a ``models.Generator`` on
 replica's ``batching.ModelThread``.
 """
 
-from .engine import EngineConfig, GenerationEngine, SequenceCancelled
+from .config import EngineConfig
+from .engine import GenerationEngine, SequenceCancelled
 from .metrics import GenerationMetrics, ModelGenerationMetrics
 from .scheduler import StepBudget, StepPlan, schedule
 from .sequence import SeqState, Sequence, SequenceSpec

@@ -14,7 +14,6 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 from batching import (
     Clock,
@@ -31,43 +30,24 @@ from models import (
     DeviceError,
     Generator,
     ModelOutOfMemory,
-    SamplingParams,
     SeqChunk,
     StepRequest,
     StepResult,
 )
 
-from .ceiling import StepCeiling
+from .config import EngineConfig
 from .metrics import ModelGenerationMetrics
+from .pacing import StepPacing, warm_up
 from .scheduler import StepBudget, StepPlan, schedule
 from .sequence import SeqState, Sequence, SequenceSpec
 from .stream import RequestStream
 from .text import SequenceText, emit
-from .timing import PrefillPacer, StepTimeModel, attended
 
 log = logging.getLogger("batchfit.generation")
 
 
 class SequenceCancelled(Exception):
     """A sequence's client went away before its end."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    max_running: int = 64
-    """Most sequences in the store at once (``--max-running-seqs``)."""
-    max_step_tokens: int = 2048
-    """Most tokens one step feeds (``--max-step-tokens``)."""
-    prefill_time_factor: float = 1.8
-    """While sequences decode, a step's prefill chunks keep its predicted time within this
-    many times a decode-only step's."""
-    default_prefill_tokens: int = 64
-    """The prefill chunk beside decode tokens before the step time model is fitted."""
-    max_waiting: int = 1024
-    """Most sequences waiting to join; beyond it ``submit`` raises ``QueueFull`` (429)."""
-    headroom_fraction: float = 0.15
-    """Share of the free memory the key/value store leaves unused."""
-    priority_aging_s: float = 1.0
 
 
 class GenerationEngine:
@@ -98,10 +78,7 @@ class GenerationEngine:
         self._to_forget: list[int] = []
         self.cache_bytes = 0
         """What the store held after the latest step."""
-        self.time_model = StepTimeModel()
-        self.pacer = PrefillPacer(self.time_model)
-        self.ceiling = StepCeiling()
-        """Lowered by an OOM inside a step, raised back by clean steps."""
+        self.pacing = StepPacing(config, model)
         self.healthy = True
         self.num_steps = 0
         self.stopped = False
@@ -164,46 +141,15 @@ class GenerationEngine:
         self.metrics.waiting.set(0)
 
     async def warm_up(self) -> None:
-        """Run the model's first passes (so that the first request does not pay for them),
-        then steps of a few shapes, timed, from which the step time model sizes prefill
-        chunks from the first request on. Its sequences are freed after."""
-        greedy = SamplingParams(temperature=0.0)
+        """Timed steps of a few shapes (``pacing.warm_up``), their sequences freed after."""
 
-        async def step(chunks: list[SeqChunk]) -> float:
+        async def step(request: StepRequest) -> float:
             started = self._clock.now()
-            await self._thread.call(self.model.step, StepRequest(chunks))
+            await self._thread.call(self.model.step, request)
             return self._clock.now() - started
 
-        await step([SeqChunk(-1, list(range(1, 65)), 0, greedy)])
-        await step([SeqChunk(-1, [1], 64, greedy)])
-        lengths = {-1: 65}
-        # New prompts (id: (tokens, depth)), each followed by decode steps of every sequence:
-        # steps of 1 to 260 tokens over 1 to 5 sequences, chunks at the start of a prompt and
-        # deep into one, so that the fit tells its terms apart.
-        # The last, a short chunk beside decode tokens, is what pacing steps feed.
-        shapes = (
-            ({}, 3), ({-2: (16, 0), -3: (16, 0), -4: (16, 0)}, 3), ({-5: (256, 0)}, 2),
-            ({-6: (128, 320)}, 1), ({-7: (32, 200)}, 0),
-        )  # fmt: skip
-        for prompts, decode_steps in shapes:
-            for number in range(decode_steps + 1):
-                chunks = [SeqChunk(i, [1], n, greedy) for i, n in lengths.items()]
-                decoding = len(chunks)
-                if number == 0:
-                    chunks += [SeqChunk(i, [1] * n, depth, greedy)
-                               for i, (n, depth) in prompts.items()]  # fmt: skip
-                self._learn(StepRequest(chunks), decoding, await step(chunks))
-                lengths = {c.seq_id: c.start + len(c.token_ids) for c in chunks}
-        self.cache_bytes = await self._thread.call(
-            lambda: self.model.free(list(lengths), forget=True)
-        )
-        if self.time_model.coefficients is not None:
-            a, b, c, d = self.time_model.coefficients
-            log.info(
-                "generator %s warmed up: a step takes %.1f ms, and %.2f ms more a token, "
-                "%.2f ms a thousand query-key pairs, %.2f ms a sequence",
-                self.name, a * 1e3, b * 1e3, c * 1e6, d * 1e3,
-            )  # fmt: skip
+        ran = await warm_up(step, self.pacing, self.name)
+        self.cache_bytes = await self._thread.call(lambda: self.model.free(ran, forget=True))
 
     @property
     def busy(self) -> bool:
@@ -276,36 +222,11 @@ class GenerationEngine:
         return plan, request
 
     def _budget(self, now: float) -> StepBudget:
-        config = self.config
-        decoding = [s for s in self.running if s.num_pending <= 1]
-        if decoding:
-            # The next prompt chunk starts where the first still prefilling stopped (a new
-            # prompt: at 0); how deep it is sets what its attention costs.
-            prefilling = [s for s in self.running if s.num_pending > 1]
-            depth = prefilling[0].num_cached if prefilling else 0
-            alone = self.pacer.alone(len(decoding), sum(s.num_cached + 1 for s in decoding))
-            tokens = self.pacer.tokens(alone, config.prefill_time_factor, depth=depth)
-            prefill = config.default_prefill_tokens if tokens is None else max(tokens, 1)
-        else:
-            prefill = config.max_step_tokens
-        limit = None
         reading = self._probe.read() if self._probe is not None else None
-        if reading is not None and reading.free_bytes is not None:
-            reserve = self.model.step_bytes(config.max_step_tokens, 0, config.max_running)
-            room = reading.free_bytes * (1 - config.headroom_fraction) - reserve
-            limit = max(0.0, self.cache_bytes + room)
-            self.metrics.cache_budget_bytes.set(limit)
-        ceiling = self.ceiling
-        step_tokens = min(config.max_step_tokens, ceiling.max_tokens or config.max_step_tokens)
-        return StepBudget(
-            max_running=min(config.max_running, ceiling.max_sequences or config.max_running),
-            max_step_tokens=step_tokens,
-            max_prefill_tokens=min(prefill, step_tokens),
-            bytes_per_token=self.model.cache_bytes_per_token,
-            cache_bytes=limit,
-            now=now,
-            priority_aging_s=config.priority_aging_s,
-        )
+        budget = self.pacing.budget(self.running, reading, self.cache_bytes, now)
+        if budget.cache_bytes is not None:
+            self.metrics.cache_budget_bytes.set(budget.cache_bytes)
+        return budget
 
     def _admit(self, seq: Sequence, now: float) -> None:
         self.waiting.remove(seq)
@@ -346,7 +267,7 @@ class GenerationEngine:
         try:
             result = await future
         except ModelOutOfMemory as exc:
-            self.ceiling.out_of_memory(len(request.chunks), request.num_tokens)
+            self.pacing.out_of_memory(request)
             self._out_of_memory(stepped, exc)
             return []
         except DeviceError:
@@ -364,11 +285,7 @@ class GenerationEngine:
         self.cache_bytes = result.cache_bytes
         self.metrics.cache_bytes.set(result.cache_bytes)
         if request.chunks:
-            self.ceiling.ran(
-                len(request.chunks), request.num_tokens, max_running=self.config.max_running,
-                max_step_tokens=self.config.max_step_tokens,
-            )  # fmt: skip
-            self._learn(request, len(plan.decode), elapsed)
+            self.pacing.learn(request, len(plan.decode), elapsed)
             self.metrics.step_tokens.observe(request.num_tokens)
             self.metrics.step_duration.observe(elapsed)
         for chunk, seq in zip(request.chunks, stepped, strict=True):
@@ -426,19 +343,6 @@ class GenerationEngine:
                 )
                 self._end(seq, error=OutOfMemory(message, exc.requested_bytes))
 
-    def _learn(self, request: StepRequest, num_decode: int, elapsed_s: float) -> None:
-        """A step's time, for the time model; for the pacer too where it fed prompt tokens
-        beside decode tokens (its first ``num_decode`` chunks)."""
-        chunks = request.chunks
-        sampled = sum(chunk.sampling is not None for chunk in chunks)
-        self.time_model.observe(request.num_tokens, _attended(chunks), sampled, elapsed_s)
-        if num_decode == len(chunks):
-            self.pacer.observe_alone(num_decode, elapsed_s)
-        elif num_decode:
-            alone = self.pacer.alone(num_decode, _attended(chunks[:num_decode]))
-            if alone is not None:
-                self.pacer.observe(elapsed_s, alone, request.num_tokens - num_decode)
-
     def _retire(self, seq: Sequence) -> None:
         """It has its last token: out of the steps (its cache freed), its stream ended by
         ``emit``."""
@@ -472,7 +376,3 @@ class GenerationEngine:
     def _show_counts(self) -> None:
         self.metrics.running.set(len(self.running))
         self.metrics.waiting.set(len(self.waiting))
-
-
-def _attended(chunks: Seq[SeqChunk]) -> int:
-    return sum(attended(chunk.start, len(chunk.token_ids)) for chunk in chunks)

@@ -311,6 +311,6 @@ async def test_warm_up_fits_the_step_time_model_and_frees_what_it_ran(thread):
         config=EngineConfig(),
     )  # fmt: skip
     await engine.warm_up()
-    assert engine.time_model.coefficients is not None
+    assert engine.pacing.time_model.coefficients is not None
     assert model.cached == {} and engine.cache_bytes == 0
     assert max(sum(n for _, _, n in step) for step in model.steps) >= 256

@@ -1,0 +1,132 @@
+"""What the next step may spend, and what each step teaches about it: the caps (lowered by
+an OOM, ``ceiling.py``), the prompt tokens beside its decode tokens (``timing.py``), and the
+memory its cache may take (the free memory read before it, less the headroom and its
+activations); and a generator's warm-up, whose timed steps seed them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from collections.abc import Sequence as Seq
+
+from batching import MemoryReading
+from models import Generator, SamplingParams, SeqChunk, StepRequest
+
+from .ceiling import StepCeiling
+from .config import EngineConfig
+from .scheduler import StepBudget
+from .sequence import Sequence
+from .timing import PrefillPacer, StepTimeModel, attended
+
+log = logging.getLogger("batchfit.generation")
+
+
+class StepPacing:
+    def __init__(self, config: EngineConfig, model: Generator) -> None:
+        self.config = config
+        self._model = model
+        self.time_model = StepTimeModel()
+        self.pacer = PrefillPacer(self.time_model)
+        self.ceiling = StepCeiling()
+        """Lowered by an OOM inside a step, raised back by clean steps."""
+
+    def budget(
+        self, running: Seq[Sequence], reading: MemoryReading | None, cache_bytes: int,
+        now: float,
+    ) -> StepBudget:  # fmt: skip
+        """The next step's budget: with sequences decoding, prompt tokens beside them within
+        ``prefill_time_factor`` of their own step (the first of them deeper into a prompt
+        costing more); without, up to ``max_step_tokens``. ``cache_bytes``: what the store
+        holds now."""
+        config = self.config
+        decoding = [s for s in running if s.num_pending <= 1]
+        if decoding:
+            # The next prompt chunk starts where the first still prefilling stopped (a new
+            # prompt: at 0); how deep it is sets what its attention costs.
+            prefilling = [s for s in running if s.num_pending > 1]
+            depth = prefilling[0].num_cached if prefilling else 0
+            alone = self.pacer.alone(len(decoding), sum(s.num_cached + 1 for s in decoding))
+            tokens = self.pacer.tokens(alone, config.prefill_time_factor, depth=depth)
+            prefill = config.default_prefill_tokens if tokens is None else max(tokens, 1)
+        else:
+            prefill = config.max_step_tokens
+        limit = None
+        if reading is not None and reading.free_bytes is not None:
+            reserve = self._model.step_bytes(config.max_step_tokens, 0, config.max_running)
+            room = reading.free_bytes * (1 - config.headroom_fraction) - reserve
+            limit = max(0.0, cache_bytes + room)
+        ceiling = self.ceiling
+        step_tokens = min(config.max_step_tokens, ceiling.max_tokens or config.max_step_tokens)
+        return StepBudget(
+            max_running=min(config.max_running, ceiling.max_sequences or config.max_running),
+            max_step_tokens=step_tokens,
+            max_prefill_tokens=min(prefill, step_tokens),
+            bytes_per_token=self._model.cache_bytes_per_token,
+            cache_bytes=limit,
+            now=now,
+            priority_aging_s=config.priority_aging_s,
+        )
+
+    def learn(self, request: StepRequest, num_decode: int, elapsed_s: float) -> None:
+        """A step ran: its time, for the time model; for the pacer too (its first
+        ``num_decode`` chunks decode); a clean step for the ceiling."""
+        chunks = request.chunks
+        if not chunks:
+            return
+        config = self.config
+        self.ceiling.ran(len(chunks), request.num_tokens, max_running=config.max_running,
+                         max_step_tokens=config.max_step_tokens)  # fmt: skip
+        sampled = sum(chunk.sampling is not None for chunk in chunks)
+        self.time_model.observe(request.num_tokens, _attended(chunks), sampled, elapsed_s)
+        if num_decode == len(chunks):
+            self.pacer.observe_alone(num_decode, elapsed_s)
+        elif num_decode:
+            alone = self.pacer.alone(num_decode, _attended(chunks[:num_decode]))
+            if alone is not None:
+                self.pacer.observe(elapsed_s, alone, request.num_tokens - num_decode)
+
+    def out_of_memory(self, request: StepRequest) -> None:
+        self.ceiling.out_of_memory(len(request.chunks), request.num_tokens)
+
+
+async def warm_up(
+    step: Callable[[StepRequest], Awaitable[float]], pacing: StepPacing, name: str
+) -> list[int]:
+    """Run the model's first passes (so that the first request does not pay for them), then
+    steps of a few shapes, timed, from which the step time model and the pacer size prefill
+    chunks from the first request on. ``step`` runs one and returns its seconds. Returns the
+    warm-up's sequences, to free."""
+    greedy = SamplingParams(temperature=0.0)
+    await step(StepRequest([SeqChunk(-1, list(range(1, 65)), 0, greedy)]))
+    await step(StepRequest([SeqChunk(-1, [1], 64, greedy)]))
+    lengths = {-1: 65}
+    # New prompts (id: (tokens, depth)), each followed by decode steps of every sequence:
+    # steps of 1 to 260 tokens over 1 to 5 sequences, chunks at the start of a prompt and
+    # deep into one, so that the fit tells its terms apart. The last, a short chunk beside
+    # decode tokens, is what pacing steps feed.
+    shapes = (
+        ({}, 3), ({-2: (16, 0), -3: (16, 0), -4: (16, 0)}, 3), ({-5: (256, 0)}, 2),
+        ({-6: (128, 320)}, 1), ({-7: (32, 200)}, 0),
+    )  # fmt: skip
+    for prompts, decode_steps in shapes:
+        for number in range(decode_steps + 1):
+            chunks = [SeqChunk(i, [1], n, greedy) for i, n in lengths.items()]
+            decoding = len(chunks)
+            if number == 0:
+                chunks += [SeqChunk(i, [1] * n, depth, greedy)
+                           for i, (n, depth) in prompts.items()]  # fmt: skip
+            request = StepRequest(chunks)
+            pacing.learn(request, decoding, await step(request))
+            lengths = {c.seq_id: c.start + len(c.token_ids) for c in chunks}
+    if pacing.time_model.coefficients is not None:
+        a, b, c, d = pacing.time_model.coefficients
+        log.info(
+            "generator %s warmed up: a step takes %.1f ms, and %.2f ms more a token, %.2f ms "
+            "a thousand query-key pairs, %.2f ms a row through the LM head",
+            name, a * 1e3, b * 1e3, c * 1e6, d * 1e3,
+        )  # fmt: skip
+    return list(lengths)
+
+
+def _attended(chunks: Seq[SeqChunk]) -> int:
+    return sum(attended(chunk.start, len(chunk.token_ids)) for chunk in chunks)
