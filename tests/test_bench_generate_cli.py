@@ -1,6 +1,7 @@
 """``batchfit bench --generate``'s flags, its options, vLLM's environment steps and what is
 read from vLLM's start-up log."""
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 from bench.generate import vllm_env
 from bench.generate.cli import DEFAULT_OUT, generate_options
 from bench.generate.options import GenerateOptions
+from bench.generate.peers import vllm_launch
 from bench.generate.runner import startup_notes
 from server.cli import build_parser
 
@@ -118,3 +120,18 @@ def test_vllm_start_up_facts_are_read_from_its_log():
         "CPU KV cache size: 110,733 tokens, Maximum concurrency for 2,048 tokens per request: "
         "54.07x",
     ]
+
+
+def test_vllm_on_all_cores_binds_its_threads_to_every_allowed_core_and_keeps_none():
+    default = vllm_launch(Path("/venv"), "/model", kv_cache_gib=4)
+    everywhere = vllm_launch(Path("/venv"), "/model", kv_cache_gib=4, all_cores=True)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in default.env
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert everywhere.env["VLLM_CPU_OMP_THREADS_BIND"] == cores
+    assert everywhere.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert everywhere.env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert everywhere.name == "vllm all cores" and default.name == "vllm"
+    assert (
+        GenerateOptions().vllm_all_cores
+        and not generate_options(_args("--generate", "--quick")).vllm_all_cores
+    )

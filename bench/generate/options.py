@@ -43,6 +43,9 @@ class GenerateOptions:
     the highest)."""
     vllm_max_num_seqs: tuple[int, ...] = (16, 32)
     """vLLM's ``--max-num-seqs`` values tried on the highest level, beside its default."""
+    vllm_all_cores: bool = True
+    """Also run vLLM with its threads on every core, none kept for its scheduler, on the
+    levels the limit runs."""
     vllm_kv_cache_gib: float = 4.0
     vllm_venv: Path = field(default_factory=vllm_env.default_venv)
     model: str | None = None
@@ -93,6 +96,7 @@ def quick_options(**overrides: object) -> GenerateOptions:
         "join_after_tokens": 4,
         "join_first_max_tokens": 48,
         "vllm_max_num_seqs": (),
+        "vllm_all_cores": False,
         "quiet_wait_s": 10.0,
         "spec": GenerateSpec(max_prompt_tokens=256, min_new_tokens=8, max_new_tokens=32),
         "quick": True,

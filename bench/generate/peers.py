@@ -69,10 +69,19 @@ def batchfit_launch(model: str, extra_flags: Sequence[str] = ()) -> Launch:
 
 
 def vllm_launch(
-    venv: Path, folder: str, *, kv_cache_gib: float, max_num_seqs: int | None = None
+    venv: Path,
+    folder: str,
+    *,
+    kv_cache_gib: float,
+    max_num_seqs: int | None = None,
+    all_cores: bool = False,
 ) -> Launch:
     """vLLM's defaults but for float32 (the weights every peer serves) and loopback; its CPU
-    build wants ``VLLM_CPU_KVCACHE_SPACE`` (GiB) set, or it asks for most of the host's RAM."""
+    build wants ``VLLM_CPU_KVCACHE_SPACE`` (GiB) set, or it asks for most of the host's RAM.
+
+    ``all_cores``: its compute threads bound to every core this process may use, none kept
+    for its scheduler. By default it keeps one core per worker for the scheduler, which on a
+    two-core host leaves its model one core."""
     command = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                "--model", folder, "--host", "127.0.0.1", "--port", "{port}",
                "--dtype", VLLM_DTYPE]  # fmt: skip
@@ -82,6 +91,10 @@ def vllm_launch(
         name = f"vllm max_num_seqs={max_num_seqs}"
     env = {"VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    if all_cores:
+        cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        name = f"{name} all cores"
     return Launch(name, tuple(command), env, "/health", 900)
 
 

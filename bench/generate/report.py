@@ -286,7 +286,15 @@ def peer_notes(result: GenerateResult) -> list[str]:
         f"`VLLM_CPU_KVCACHE_SPACE={o.vllm_kv_cache_gib:g}`; `max_num_seqs` "
         f"{', '.join(map(str, o.vllm_max_num_seqs)) or '(none)'} tried on the highest level "
         "(its default is 128 on a CPU: any value at or above a level's streams is the default "
-        "there).",
+        "there)"
+        + (
+            "; `all cores`: its threads bound to every core (`VLLM_CPU_OMP_THREADS_BIND`), none "
+            "kept for its scheduler (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`), on the levels of 16 "
+            "streams or more"
+            if o.vllm_all_cores
+            else ""
+        )
+        + ". Its best at a level is the best of these.",
         "batchfit": "`batchfit`: `batchfit serve --task generate` "
         f"{' '.join(o.batchfit_flags)}".rstrip()
         + ".",

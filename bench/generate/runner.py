@@ -181,6 +181,12 @@ def _run_vllm(
     default = _run_server(launch, workload, options, log_dir, progress)
     default.notes.append(f"VLLM_CPU_KVCACHE_SPACE={options.vllm_kv_cache_gib:g} GiB")
     result.peers.append(default)
+    if options.vllm_all_cores:
+        launch = vllm_launch(venv, folder, kv_cache_gib=options.vllm_kv_cache_gib,
+                             all_cores=True)  # fmt: skip
+        levels = options.levels_for_limit()
+        result.vllm_sweep.append(_run_server(launch, workload, options, log_dir, progress,
+                                             levels=levels, join=False))  # fmt: skip
     top = max(options.concurrency)
     for seqs in options.vllm_max_num_seqs:
         launch = vllm_launch(venv, folder, kv_cache_gib=options.vllm_kv_cache_gib,
