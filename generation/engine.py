@@ -235,6 +235,8 @@ class GenerationEngine:
         if seq.started_s is None:
             seq.started_s = now
             self.metrics.prompt_tokens.inc(len(seq.spec.prompt_ids))
+        elif seq.num_preemptions:
+            self.metrics.resumed.inc()
         self._show_counts()
 
     def _preempt(self, seq: Sequence, reason: str) -> None:
@@ -334,6 +336,7 @@ class GenerationEngine:
                 if seq.text is None:
                     seq.text = SequenceText(self._prompts, seq)
                 seq.text.finish_reason = "length"
+                self.metrics.ended_for_memory["length"].inc()
                 self._retire(seq)
                 emit([(seq, [])], self._prompts, self._clock.now(), self.metrics, self._finish)
             else:
@@ -341,6 +344,7 @@ class GenerationEngine:
                     f"a prompt of {len(seq.spec.prompt_ids)} tokens does not fit in memory even "
                     f"alone ({exc})"
                 )
+                self.metrics.ended_for_memory["refused"].inc()
                 self._end(seq, error=OutOfMemory(message, exc.requested_bytes))
 
     def _retire(self, seq: Sequence) -> None:

@@ -84,6 +84,18 @@ class GenerationMetrics:
             "next step would not fit) or out_of_memory (a step failed an allocation).",
             [*MODEL, "reason"], registry=registry,
         )  # fmt: skip
+        self.resumed = Counter(
+            "batchfit_generation_resumed_sequences",
+            "Preempted sequences that joined the steps again (their prompt and the tokens they "
+            "had generated prefilled again).",
+            MODEL, registry=registry,
+        )  # fmt: skip
+        self.ended_for_memory = Counter(
+            "batchfit_generation_ended_for_memory_sequences",
+            "Sequences ended because memory could not hold them even alone: with tokens "
+            "generated they end with finish_reason length; a prompt not yet started gets 507.",
+            [*MODEL, "outcome"], registry=registry,
+        )  # fmt: skip
         self.finished = Counter(
             "batchfit_generation_finished_sequences",
             "Sequences ended, by reason: stop, length, cancelled (the client went away), error.",
@@ -104,6 +116,10 @@ class GenerationMetrics:
             cache_bytes=self.cache_bytes.labels(model),
             cache_budget_bytes=self.cache_budget_bytes.labels(model),
             preemptions={r: self.preemptions.labels(model, r) for r in PREEMPTION_REASONS},
+            resumed=self.resumed.labels(model),
+            ended_for_memory={
+                o: self.ended_for_memory.labels(model, o) for o in ("length", "refused")
+            },
             finished={
                 r: self.finished.labels(model, r) for r in ("stop", "length", "cancelled", "error")
             },
@@ -125,4 +141,6 @@ class ModelGenerationMetrics:
     cache_bytes: Gauge
     cache_budget_bytes: Gauge
     preemptions: dict[str, Counter]
+    resumed: Counter
+    ended_for_memory: dict[str, Counter]
     finished: dict[str, Counter]

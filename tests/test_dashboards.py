@@ -104,6 +104,8 @@ def test_every_metric_a_panel_reads_is_exported():
                         "batchfit_generation_waiting_sequences",
                         "batchfit_generation_cache_bytes", "batchfit_generation_cache_budget_bytes",
                         "sum by (reason) (rate(batchfit_generation_preemptions_total",
+                        "rate(batchfit_generation_resumed_sequences_total",
+                        "batchfit_generation_ended_for_memory_sequences_total",
                         "sum by (reason) (rate(batchfit_generation_finished_sequences_total",
                         "batchfit_generation_step_tokens_bucket"]),
     ],
@@ -129,7 +131,7 @@ def test_the_generation_panels_read_each_metric_of_a_generator():
     create_app(Settings(), model=ScriptedModel(), registry=registry)
     families = {family.name for family in registry.collect()}
     generation = {name for name in families if name.startswith("batchfit_generation_")}
-    assert len(generation) == 13
+    assert len(generation) == 15
     queries = all_panel_queries()
     row = [q for q in queries if q.row == "Generation"]
     read = {name for q in row for name in re.findall(r"\bbatchfit_[a-z_]+", q.expr)}

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from batching import (
     DeadlineExceeded,
     InferenceFailed,
+    MemoryReading,
     ModelThread,
     MonotonicClock,
     OutOfMemory,
@@ -216,6 +217,50 @@ async def test_an_oom_preempts_the_newer_half_and_every_sequence_still_ends_righ
     assert engine.metrics.preemptions["out_of_memory"]._value.get() >= 2
 
 
+class ScriptedProbe:
+    """Free memory as a function of the steps the model has run: none between ``tight``'s
+    steps, plenty before and after."""
+
+    name = "scripted"
+
+    def __init__(self, model: ScriptedGenerator, tight: range) -> None:
+        self.model = model
+        self.tight = tight
+
+    def read(self) -> MemoryReading:
+        free = 0 if len(self.model.steps) in self.tight else 1 << 30
+        return MemoryReading(free_bytes=free)
+
+
+async def test_a_shrinking_budget_preempts_the_newest_and_they_resume_without_a_repeat(thread):
+    model = ScriptedGenerator()
+    engine = GenerationEngine(
+        name="m", model=model, model_thread=thread, clock=MonotonicClock(),
+        metrics=GenerationMetrics(CollectorRegistry(), max_step_tokens=2048).for_model("m"),
+        config=EngineConfig(), probe=ScriptedProbe(model, tight=range(6, 16)),
+    )  # fmt: skip
+    task = asyncio.create_task(engine.run())
+    streams = [engine.submit([spec(5, 30)], timeout_s=10) for _ in range(4)]
+    results = [await read_all(stream) for stream, _ in streams]
+    await stop(engine, task)
+    sequences = [seq for _, (seq,) in streams]
+    # Through the tight steps only the oldest ran; the three newer ones were preempted.
+    assert [seq.num_preemptions for seq in sequences] == [0, 1, 1, 1]
+    assert all({c for c, _, _ in step} == {sequences[0].seq_id} for step in model.steps[7:16])
+    for seq, events in zip(sequences, results, strict=True):
+        # Resumed by prefilling prompt and outputs from position 0, its stream goes on where
+        # it stopped: every token once, the same as without the pressure.
+        assert seq.output_ids == [10 + 5 + k for k in range(30)]
+        assert "".join(e.text for e in events) == "".join(f"<{t}>" for t in seq.output_ids)
+        assert events[-1].finish_reason == "length"
+    for seq in sequences[1:]:
+        # Its cache was freed: it was fed from position 0 twice (its prompt, then all again).
+        starts = [start for step in model.steps for c, start, _ in step if c == seq.seq_id]
+        assert starts.count(0) == 2, starts
+    assert engine.metrics.preemptions["memory"]._value.get() == 3
+    assert engine.metrics.resumed._value.get() == 3
+
+
 async def test_a_lone_sequence_that_cannot_run_ends_with_length_or_507(thread):
     model = ScriptedGenerator()
     engine, task = await started(model, thread)
@@ -228,6 +273,8 @@ async def test_a_lone_sequence_that_cannot_run_ends_with_length_or_507(thread):
     with pytest.raises(OutOfMemory, match="does not fit in memory even alone"):
         await read_all(stream)
     await stop(engine, task)
+    ended = engine.metrics.ended_for_memory
+    assert ended["length"]._value.get() == 1 and ended["refused"]._value.get() == 1
 
 
 async def test_a_failed_step_fails_its_sequences_and_the_engine_carries_on(thread):

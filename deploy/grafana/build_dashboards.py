@@ -367,11 +367,18 @@ def generation_row() -> list[Panel]:
             "near the budget, new sequences wait and the newest are preempted.",
         ),
         timeseries(
-            "Preemptions by reason", "short",
+            "Preemptions, resumes and ends for memory", "short",
             [(f"sum by (reason) (rate(batchfit_generation_preemptions_total{{{MSEL}}}"
-              f"[{WINDOW}]))", "{{reason}}")],
+              f"[{WINDOW}]))", "preempted: {{reason}}"),
+             (f"sum(rate(batchfit_generation_resumed_sequences_total{{{MSEL}}}[{WINDOW}]))",
+              "resumed"),
+             (f"sum by (outcome) (rate("
+              f"batchfit_generation_ended_for_memory_sequences_total{{{MSEL}}}[{WINDOW}]))",
+              "ended for memory: {{outcome}}")],
             description="Sequences whose cache was freed to resume later: memory (the next "
-            "step would not fit) or out_of_memory (a step failed an allocation).",
+            "step would not fit) or out_of_memory (a step failed an allocation); those that "
+            "resumed (prefilled again); and those memory could not hold even alone (length: "
+            "ended with the tokens they had; refused: a prompt answered 507).",
         ),
         timeseries(
             "Finished sequences by reason", "short",
