@@ -3,7 +3,8 @@
 Text goes in as one BYTES tensor named ``text``; embeddings come out as an FP32 tensor
 ``embedding`` of shape [N, dim] (classifiers: BYTES ``label`` and FP32 ``score``). Errors are
 ``{"error": message}`` as the protocol defines. Triton's binary tensor data extension is
-supported for inputs and outputs, so tritonclient works with its defaults.
+supported for inputs and outputs, so tritonclient works with its defaults; the tensors are
+decoded and encoded in ``kserve_tensors.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import TypeAdapter
@@ -30,8 +30,6 @@ from ..inference import (
     task_hint,
 )
 from ..lean import (
-    JsonAnswer,
-    encode_json,
     lean_route,
     method_not_allowed,
     parse_body,
@@ -51,10 +49,17 @@ from .kserve_schemas import (
     ServerMetadata,
     V2Error,
 )
+from .kserve_tensors import (
+    INPUT_NAME,
+    MODEL_VERSION,
+    infer_response,
+    input_texts,
+    output_tensors,
+    requested_outputs,
+    split_body,
+)
 from .routes import protocol_route, protocol_validation, retry_headers
 
-INPUT_NAME = "text"
-MODEL_VERSION = "1"
 # Schema errors are 400 here, as the protocol answers them.
 SCHEMA_STATUS = 400
 # Besides JSON: Triton's binary tensor data (tritonclient sends no content type at all).
@@ -237,10 +242,10 @@ async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
         )  # fmt: skip
     raw = await read_body(request.receive)
     require_json_media_type(request.headers.get("content-type"), BINARY_MEDIA_TYPE)
-    body, binary = _split_body(raw, request.headers.get(HEADER_LENGTH))
+    body, binary = split_body(raw, request.headers.get(HEADER_LENGTH))
     # Strict, as /v1/infer's body: true is no dimension of a shape.
     infer_request = parse_body(_INFER_BODY, body, strict=True)
-    texts = _texts(infer_request, binary)
+    texts = input_texts(infer_request, binary)
     check_inputs(runtime, texts, field="input 'text'", schema_status=SCHEMA_STATUS)
     parameters = infer_request.parameters or {}
     truncate = parameters.get("truncate", True)
@@ -281,156 +286,9 @@ async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
         timeout_s=timeout_s, model=slot.name, prompt_name=prompt_name, prompt=prompt,
         truncation_direction=truncation_direction,
     )  # fmt: skip
-    tensors = _output_tensors(info, shape_outputs(info, outputs))
-    wanted = _requested_outputs(infer_request, tensors, parameters)
-    return _response(slot.name, infer_request.id, wanted)
-
-
-def _split_body(raw: bytes, header_length: str | None) -> tuple[bytes, bytes]:
-    if header_length is None:
-        return raw, b""
-    if not header_length.isdigit() or int(header_length) > len(raw):
-        raise ApiError(400, "invalid_request", f"bad {HEADER_LENGTH} header {header_length!r}")
-    split = int(header_length)
-    return raw[:split], raw[split:]
-
-
-def _texts(request: InferenceRequest, binary: bytes) -> list[str]:
-    if len(request.inputs) != 1 or request.inputs[0].name != INPUT_NAME:
-        names = [tensor.name for tensor in request.inputs]
-        raise ApiError(
-            400, "invalid_request",
-            f"expected exactly one input tensor named {INPUT_NAME!r}, got {names}",
-        )  # fmt: skip
-    tensor = request.inputs[0]
-    if tensor.datatype != "BYTES":
-        raise ApiError(
-            400, "invalid_request", f"input {INPUT_NAME!r} must be BYTES, not {tensor.datatype}"
-        )
-    count = math.prod(tensor.shape)
-    binary_size = (tensor.parameters or {}).get("binary_data_size")
-    if binary_size is not None:
-        if type(binary_size) is not int or binary_size != len(binary):
-            raise ApiError(400, "invalid_request", "binary_data_size does not match the body")
-        elements = _decode_binary_bytes(binary)
-    elif tensor.data is None:
-        raise ApiError(400, "invalid_request", f"input {INPUT_NAME!r} has no data")
-    else:
-        elements = _flatten(tensor.data)
-    if len(elements) != count:
-        raise ApiError(
-            400, "invalid_request",
-            f"input {INPUT_NAME!r} has shape {tensor.shape} ({count} elements) but "
-            f"{len(elements)} values",
-        )  # fmt: skip
-    texts = []
-    for index, element in enumerate(elements):
-        if isinstance(element, bytes):
-            try:
-                element = element.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ApiError(400, "invalid_request", f"element {index} is not UTF-8") from None
-        if not isinstance(element, str):
-            raise ApiError(400, "invalid_request", f"element {index} of a BYTES tensor is not text")
-        texts.append(element)
-    return texts
-
-
-def _flatten(data: list[Any]) -> list[Any]:
-    flat: list[Any] = []
-    stack = [iter(data)]
-    while stack:
-        for value in stack[-1]:
-            if isinstance(value, list):
-                stack.append(iter(value))
-                break
-            flat.append(value)
-        else:
-            stack.pop()
-    return flat
-
-
-def _decode_binary_bytes(buffer: bytes) -> list[bytes]:
-    """Triton's BYTES wire format: each element is a 4-byte little-endian length and bytes."""
-    elements, offset = [], 0
-    while offset < len(buffer):
-        if offset + 4 > len(buffer):
-            raise ApiError(400, "invalid_request", "truncated BYTES element length")
-        size = int.from_bytes(buffer[offset : offset + 4], "little")
-        offset += 4
-        if offset + size > len(buffer):
-            raise ApiError(400, "invalid_request", "truncated BYTES element")
-        elements.append(buffer[offset : offset + size])
-        offset += size
-    return elements
-
-
-def _output_tensors(info: ModelInfo, outputs: list[Any]) -> dict[str, tuple[str, np.ndarray]]:
-    if info.task == "classify":
-        labels = np.array([str(o["label"]) for o in outputs], dtype=object)
-        scores = np.array([o["score"] for o in outputs], dtype="<f4")
-        return {"label": ("BYTES", labels), "score": ("FP32", scores)}
-    return {"embedding": ("FP32", np.stack([np.asarray(o, dtype="<f4") for o in outputs]))}
-
-
-def _requested_outputs(
-    request: InferenceRequest,
-    tensors: dict[str, tuple[str, np.ndarray]],
-    parameters: dict[str, Any],
-) -> list[tuple[str, str, np.ndarray, bool]]:
-    binary_default = bool(parameters.get("binary_data_output", False))
-    if not request.outputs:
-        return [(name, kind, array, binary_default) for name, (kind, array) in tensors.items()]
-    wanted = []
-    for output in request.outputs:
-        if output.name not in tensors:
-            raise ApiError(
-                400, "invalid_request",
-                f"unknown output {output.name!r}; this model has {sorted(tensors)}",
-            )  # fmt: skip
-        kind, array = tensors[output.name]
-        binary = (output.parameters or {}).get("binary_data", binary_default)
-        wanted.append((output.name, kind, array, bool(binary)))
-    return wanted
-
-
-def _response(
-    model_name: str, request_id: str | None, outputs: list[tuple[str, str, np.ndarray, bool]]
-) -> JsonAnswer:
-    tensors, chunks = [], []
-    for name, kind, array, binary in outputs:
-        tensor: dict[str, Any] = {"name": name, "datatype": kind, "shape": list(array.shape)}
-        if binary:
-            chunk = _encode_binary(kind, array)
-            tensor["parameters"] = {"binary_data_size": len(chunk)}
-            chunks.append(chunk)
-        elif kind == "BYTES":
-            tensor["data"] = [str(value) for value in array.reshape(-1)]
-        else:
-            tensor["data"] = array.reshape(-1)
-        tensors.append(tensor)
-    body: dict[str, Any] = {"model_name": model_name, "model_version": MODEL_VERSION}
-    if request_id is not None:
-        body["id"] = request_id
-    body["outputs"] = tensors
-    header = encode_json(body)
-    if not chunks:
-        return JsonAnswer(header)
-    return JsonAnswer(
-        header + b"".join(chunks),
-        media_type=b"application/octet-stream",
-        headers=[(HEADER_LENGTH.lower().encode(), str(len(header)).encode())],
-    )
-
-
-def _encode_binary(kind: str, array: np.ndarray) -> bytes:
-    if kind == "BYTES":
-        parts = []
-        for value in array.reshape(-1):
-            encoded = str(value).encode("utf-8")
-            parts.append(len(encoded).to_bytes(4, "little") + encoded)
-        return b"".join(parts)
-    return np.ascontiguousarray(array, dtype="<f4").tobytes()
+    tensors = output_tensors(info, shape_outputs(info, outputs))
+    wanted = requested_outputs(infer_request, tensors, parameters)
+    return infer_response(slot.name, infer_request.id, wanted)
 
 
 @router.get(
