@@ -26,8 +26,7 @@ from bench.servers import Replica, start_replicas
 from generation import SequenceSpec, TokenEvent
 from models import SamplingParams
 from server.disconnect import ConnectionWatch
-from server.engine import remote as remote_module
-from server.engine import wire
+from server.engine import remote_parts, wire
 from server.errors import ApiError
 from server.runtime import ClientDisconnected
 from tests.generators import tiny_generator
@@ -378,7 +377,7 @@ async def test_closed_before_its_end_or_its_client_gone_the_engine_is_told_to_ca
 
 
 async def test_the_first_event_is_due_by_the_deadline_and_no_later_one(monkeypatch):
-    monkeypatch.setattr(remote_module, "DEADLINE_GRACE_S", 0.0)
+    monkeypatch.setattr(remote_parts, "DEADLINE_GRACE_S", 0.0)
     async with remote() as r:
         late = generate(r, timeout_s=0.05)
         with pytest.raises(ApiError) as timed_out:
