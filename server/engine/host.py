@@ -5,7 +5,8 @@ one listening socket, each with its end of a Unix socket pair to the engine (``l
 and serves their requests from the runtime until SIGTERM (a drain:
 the API processes answer 503 ``draining``, admitted work finishes, every process exits 0)
 or a fatal error (exit 1). An API process that dies is started again; its queued inputs
-leave the queue as a client's would.
+leave the queue as a client's would. What the engine keeps of each API process, and its
+answers to their requests, are in ``api_processes.py``.
 """
 
 from __future__ import annotations
@@ -26,14 +27,21 @@ from batching import at_home
 
 from ..admin import profile
 from ..disconnect import ConnectionWatch
-from ..errors import ApiError, to_api_error
+from ..errors import ApiError
 from ..heap import freeze_startup_heap
 from ..metrics_server import serve_metrics
-from ..runtime import ClientDisconnected, RequestTrace, Runtime
+from ..runtime import Runtime
 from ..settings import Settings
 from ..status import StatusHistory
 from ..watchdog import loop_watchdog
 from . import wire
+from .api_processes import (
+    WorkerProcess,
+    answer_generation,
+    answer_infer,
+    error_detail,
+    listening_socket,
+)
 from .link import Link
 from .merge import exposition, merge_families
 
@@ -50,34 +58,6 @@ WORKER_STOP_GRACE_S = 15.0
 """After the drain, how long the API processes may take to answer and close."""
 MAX_FAILED_STARTS = 3
 """API processes in a row that exit before they say hello end the replica (exit status 1)."""
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The public port, bound once here and shared by every API process."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-class WorkerProcess:
-    """One API process, as the engine sees it."""
-
-    def __init__(self, index: int, process: subprocess.Popen[bytes]) -> None:
-        self.index = index
-        self.process = process
-        self.link: Link | None = None
-        self.greeted = False
-        """Whether it has said hello: from then on it hears the engine's state."""
-        self.said_hello = False
-        """Whether it ever did (``greeted`` is cleared once it has exited)."""
-        self.open: dict[int, ConnectionWatch] = {}
-        """Its requests in the engine, by its request number: their watch tells the
-        runtime when the request is gone (cancelled, or the process died)."""
-        self.models_sent = False
 
 
 class EngineHost:
@@ -243,7 +223,7 @@ class EngineHost:
         self._send_state()
         for worker in list(self.workers.values()):
             if worker.greeted:
-                self._send(worker, wire.STOP, ())
+                worker.send(wire.STOP, ())
             else:  # still starting: it serves nothing yet
                 worker.process.kill()
         deadline = asyncio.get_running_loop().time() + WORKER_STOP_GRACE_S
@@ -261,10 +241,6 @@ class EngineHost:
 
     # -- messages ------------------------------------------------------------------------
 
-    def _send(self, worker: WorkerProcess, kind: bytes, header: Any, *frames: Any) -> None:
-        if worker.link is not None:
-            worker.link.send(kind, header, *frames)
-
     def _send_state(self) -> None:
         runtime = self.runtime
         hung = runtime.liveness_problem()  # the model thread's: the API processes answer it
@@ -278,7 +254,7 @@ class EngineHost:
                 if models is None:
                     return
                 worker.link.send_parts([wire.MODELS, models])
-            self._send(worker, wire.STATE, state)
+            worker.send(wire.STATE, state)
 
     def _models(self) -> bytes | None:
         """Each model's name, card, what tokenizes for it and its inline limits, pickled
@@ -312,11 +288,11 @@ class EngineHost:
         if kind == wire.INFER:
             number = header[0]
             watch = worker.open[number] = ConnectionWatch()
-            self._spawn_task(self._infer(worker, header, frames[0], watch))
+            self._spawn_task(answer_infer(self.runtime, worker, header, frames[0], watch))
         elif kind == wire.GENERATE:
             number = header[0]
             watch = worker.open[number] = ConnectionWatch()
-            self._spawn_task(self._generate(worker, header, frames[0], watch))
+            self._spawn_task(answer_generation(self.runtime, worker, header, frames[0], watch))
         elif kind == wire.CANCEL:
             watch = worker.open.get(header[0])
             if watch is not None:
@@ -333,15 +309,15 @@ class EngineHost:
                     waiting[1].set_result(None)
         elif kind == wire.STATUS:
             number, since = header
-            self._send(worker, wire.SAMPLES, (number, self.status.since(since)))
+            worker.send(wire.SAMPLES, (number, self.status.since(since)))
         elif kind == wire.PROFILE:
             number, num_batches = header
             try:
                 state = profile(self.runtime.profiler, num_batches)
             except ApiError as error:
-                self._send(worker, wire.ERROR, _error_detail(number, error))
+                worker.send(wire.ERROR, error_detail(number, error))
             else:
-                self._send(worker, wire.PROFILED, (number, state))
+                worker.send(wire.PROFILED, (number, state))
         elif kind == wire.SNAPSHOT:
             number, families = header
             waiting = self._collects.get(number)
@@ -350,64 +326,11 @@ class EngineHost:
                 if len(waiting[1]) >= len(self._greeted()) and not waiting[0].done():
                     waiting[0].set_result(None)
 
-    async def _infer(
-        self, worker: WorkerProcess, header: Any, items_frame: bytes, watch: ConnectionWatch,
-    ) -> None:  # fmt: skip
-        number, model, timeout_s, priority, request_id, dimensions = header
-        trace = RequestTrace()
-        try:
-            outputs, tokens = await self.runtime.infer_items(
-                wire.loads(items_frame), timeout_s=timeout_s, request_id=request_id,
-                priority=priority, model=model, trace=trace, client=watch,
-                dimensions=dimensions,
-            )  # fmt: skip
-            meta, frames = wire.encode_outputs(outputs)
-            answer = (
-                number, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits,
-            )  # fmt: skip
-            self._send(worker, wire.RESULT, answer, *frames)
-        except ClientDisconnected:
-            pass  # the API process has answered its client already
-        except Exception as exc:
-            self._send(worker, wire.ERROR, _error_detail(number, to_api_error(exc)))
-        finally:
-            worker.open.pop(number, None)
-
-    async def _generate(
-        self, worker: WorkerProcess, header: Any, specs_frame: bytes, watch: ConnectionWatch,
-    ) -> None:  # fmt: skip
-        """Admit a generation request and send its events on as they come: each batch read
-        from its stream (one step's events for it travel together) as one ``TOKENS``, then
-        ``END``. A ``CANCEL`` (or the API process gone) loses ``watch``: its sequences are
-        cancelled and the stream fails with ``ClientDisconnected``."""
-        number, model, priority, timeout_s = header
-        run = None
-        try:
-            run = self.runtime.generate(
-                wire.loads(specs_frame), model=model, priority=priority, timeout_s=timeout_s,
-                client=watch,
-            )  # fmt: skip
-            while True:
-                try:
-                    events = await run.next_events()
-                except EOFError:
-                    self._send(worker, wire.END, (number,))
-                    return
-                self._send(worker, wire.TOKENS, (number,), wire.dumps(events))
-        except ClientDisconnected:
-            pass  # the API process has ended it already
-        except Exception as exc:
-            self._send(worker, wire.ERROR, _error_detail(number, to_api_error(exc)))
-        finally:
-            if run is not None:
-                run.close()
-            worker.open.pop(number, None)
-
     def _greeted(self) -> list[WorkerProcess]:
         return [worker for worker in self.workers.values() if worker.greeted]
 
     async def _scrape(self, asker: WorkerProcess, number: int) -> None:
-        self._send(asker, wire.EXPOSITION, (number,), await self.merged_exposition())
+        asker.send(wire.EXPOSITION, (number,), await self.merged_exposition())
 
     async def merged_exposition(self) -> bytes:
         """The replica's series: the engine's merged with every API process's."""
@@ -417,7 +340,7 @@ class EngineHost:
         self._collects[collect] = (done, snapshots)
         try:
             for other in self._greeted():
-                self._send(other, wire.COLLECT, (collect,))
+                other.send(wire.COLLECT, (collect,))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done, SNAPSHOT_TIMEOUT_S)
         finally:
@@ -434,16 +357,11 @@ class EngineHost:
         self._tallies = (tally, done, {worker.index for worker in greeted})
         try:
             for worker in greeted:
-                self._send(worker, wire.TAKE, (tally,))
+                worker.send(wire.TAKE, (tally,))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done, TALLY_TIMEOUT_S)
         finally:
             self._tallies = None
-
-
-def _error_detail(number: int, error: ApiError) -> tuple[Any, ...]:
-    """An ``ERROR`` message's header: the API process raises ``error`` again from it."""
-    return (number, error.status, error.error_type, error.message, error.retry_after_s)
 
 
 def _loop_factory() -> Any:
