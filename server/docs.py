@@ -1,6 +1,6 @@
-"""Generated parts of the user docs: the serve flag table (from ``Settings``) and the error
-table (from ``server/errors.py``'s ``ERROR_TYPES``) in README.md, and the metric table (from a
-replica's registry) in docs/observability.md.
+"""Generated parts of the user docs: the serve flag table (from ``Settings``) in docs/flags.md,
+the error table (from ``server/errors.py``'s ``ERROR_TYPES``) in docs/errors.md, and the metric
+table (from a replica's registry) in docs/observability.md.
 
 ``python -m server.docs`` rewrites them; ``python -m server.docs --check`` exits 1 when a file
 is stale (a test runs it). Each region sits between ``<!-- BEGIN GENERATED name -->`` and
@@ -104,7 +104,8 @@ def metric_table(registry: CollectorRegistry | None = None) -> str:
 
 
 REGIONS: dict[str, dict[str, Callable[[], str]]] = {
-    "README.md": {"serve-flags": flag_table, "error-types": error_table},
+    "docs/flags.md": {"serve-flags": flag_table},
+    "docs/errors.md": {"error-types": error_table},
     "docs/observability.md": {"metrics": metric_table},
 }
 

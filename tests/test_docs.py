@@ -1,6 +1,8 @@
-"""The generated parts of the user docs match the code: flags from Settings, error types from
-server/errors.py, metrics from a replica's registry; and the bulk commands' hand-written flag
-table has every flag they take."""
+"""The generated parts of the user docs match the code: flags from Settings (docs/flags.md),
+error types from server/errors.py (docs/errors.md), metrics from a replica's registry
+(docs/observability.md); the bulk commands' hand-written flag table has every flag they take;
+the README stays short, every relative link in it and in docs/ resolves, and docs/README.md
+indexes every page."""
 
 import re
 
@@ -24,13 +26,13 @@ def test_generated_tables_are_up_to_date():
     assert stale_files() == [], "run: python -m server.docs"
 
 
-def test_readme_lists_every_serve_flag_and_its_variable():
-    readme = (ROOT / "README.md").read_text()
+def test_flag_page_lists_every_serve_flag_and_its_variable():
+    page = (ROOT / "docs" / "flags.md").read_text()
     for name in Settings.model_fields:
-        assert f"`--{name.replace('_', '-')}`" in readme, name
-        assert f"`BATCHFIT_{name.upper()}`" in readme, name
+        assert f"`--{name.replace('_', '-')}`" in page, name
+        assert f"`BATCHFIT_{name.upper()}`" in page, name
     for flag in ("--host", "--max-body-bytes", "--max-input-tokens", "--log-level"):
-        assert f"| `{flag}` |" in readme
+        assert f"| `{flag}` |" in page
 
 
 def test_a_new_setting_makes_the_flag_table_stale():
@@ -63,10 +65,10 @@ def test_render_replaces_only_its_region():
         render(text, "other", "x")
 
 
-def test_readme_error_table_lists_every_error_type_with_its_status():
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("<!-- BEGIN GENERATED error-types")
-    table = readme[start : readme.index("<!-- END GENERATED error-types", start)]
+def test_error_page_lists_every_error_type_with_its_status():
+    page = (ROOT / "docs" / "errors.md").read_text()
+    start = page.index("<!-- BEGIN GENERATED error-types")
+    table = page[start : page.index("<!-- END GENERATED error-types", start)]
     for kind in ERROR_TYPES.values():
         assert f"| `{kind.name}` |" in table, kind.name
     for name, status in [("not_found", 404), ("method_not_allowed", 405),
@@ -122,3 +124,73 @@ def test_the_bulk_flag_table_lists_every_flag_of_the_bulk_commands_and_no_other(
     table = text.split("\n## Flags\n", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `(--[a-z-]+)[` ]", table, re.MULTILINE))
     assert documented == flags
+
+
+def test_the_readme_is_read_in_five_minutes():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 210, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
+
+
+def _prose(text: str) -> str:
+    """``text`` without fenced code blocks and code spans, whose brackets are no links."""
+    return CODE_SPAN.sub("", FENCE.sub("", text))
+
+
+def _anchors(path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but ``-`` and ``_``
+    dropped, spaces as ``-``, ``-1``, ``-2``... after repeats."""
+    found: set[str] = set()
+    for heading in HEADING.findall(FENCE.sub("", path.read_text())):
+        base = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchor, n = base, 0
+        while anchor in found:
+            n += 1
+            anchor = f"{base}-{n}"
+        found.add(anchor)
+    return found
+
+
+def _relative_links(path) -> list[str]:
+    targets = LINK.findall(_prose(path.read_text()))
+    return [t for t in targets if not re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", t)]
+
+
+def _user_pages():
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    broken = []
+    for page in _user_pages():
+        for target in _relative_links(page):
+            file_part, _, anchor = target.partition("#")
+            linked = (page.parent / file_part).resolve() if file_part else page
+            where = f"{page.relative_to(ROOT)}: {target}"
+            if not linked.exists():
+                broken.append(f"{where} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                broken.append(f"{where} (no such heading)")
+    assert broken == []
+
+
+def test_the_links_are_found():
+    page = ROOT / "docs" / "README.md"
+    assert "api.md" in _relative_links(page) and "../README.md" in _relative_links(page)
+    assert "the-http-api" in _anchors(ROOT / "docs" / "api.md")
+    assert "post-v1rerank" in _anchors(ROOT / "docs" / "api.md")
+    assert "gomp_spincount" in _anchors(ROOT / "docs" / "cpu.md")
+
+
+def test_the_docs_index_links_every_page():
+    docs = ROOT / "docs"
+    index = docs / "README.md"
+    linked = {(docs / t.partition("#")[0]).resolve() for t in _relative_links(index)}
+    pages = {p.resolve() for p in [*docs.glob("*.md"), *(docs / "bench").glob("*.md")]}
+    missing = sorted(str(p.relative_to(ROOT)) for p in pages - linked - {index.resolve()})
+    assert missing == [], "docs/README.md does not link these pages"
