@@ -72,7 +72,9 @@ def assert_shows_the_traffic(answers: dict) -> None:
     finished = {r["metric"]["reason"]: float(r["value"][1])
                 for r in by_title["Finished sequences by reason", "A"]}  # fmt: skip
     assert finished["length"] > 0 and finished["error"] == 0, finished  # ignore_eos: all length
-    preempted = {r["metric"]["reason"] for r in by_title["Preemptions, resumes and ends for memory", "A"]}
+    preempted = {
+        r["metric"]["reason"] for r in by_title["Preemptions, resumes and ends for memory", "A"]
+    }
     assert preempted == {"memory", "out_of_memory"}
     (budget,) = by_title["Key/value cache: held vs budget", "B"]
     assert float(budget["value"][1]) > 0
