@@ -39,8 +39,8 @@ class ErrorType:
     answered_by: tuple[str, ...] = (REPLICA,)
 
 
-# NOTE: the one list of error types. ApiError refuses a type (or a status) missing here, the
-# README's error table is generated from it (python -m server.docs), and the Nginx template's
+# NOTE: the one list of error types. ApiError refuses a type (or a status) missing here,
+# docs/errors.md's table is generated from it (python -m server.docs), and the Nginx template's
 # own error bodies are checked against the NGINX entries (tests/test_deploy.py).
 _ERROR_TYPES = (
     ErrorType("invalid_json", (400,), "the body is not valid JSON, or not UTF-8"),

@@ -1,4 +1,4 @@
-"""The protocols' routes at their edges, as docs/protocols.md and the README's error table say:
+"""The protocols' routes at their edges, as docs/protocols.md and docs/errors.md say:
 each error in the route's own shape (401 and 405 included), schema errors 400 on the protocol
 routes, 415 for a body that is not JSON, strict types, 400 ``invalid_json`` for an empty or
 unparsable body on every route, and 503 ``draining`` on v2 once the replica drains."""

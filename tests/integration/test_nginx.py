@@ -54,7 +54,7 @@ V2_BODY = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data"
 # still sent (with an empty JSON object) and must reach a replica.
 EXAMPLE_BODIES = {
     ("POST", "/v1/infer"): {"inputs": ["The cat sits on the mat.", "A second sentence"]},
-    # The README's rerank example.
+    # The rerank example of docs/api.md.
     ("POST", "/v1/rerank"): {"query": "what do cats eat", "top_n": 1, "return_documents": True,
                              "documents": ["Cats eat fish.", "The market fell."]},
     ("POST", "/v1/embeddings"): {"input": "hi", "model": BUNDLED_MODEL},
