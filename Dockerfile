@@ -18,6 +18,7 @@ WORKDIR /app
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
 COPY pyproject.toml README.md constraints.txt ./
 # Every package pyproject.toml installs: the `batchfit` command imports them all.
+COPY batchfit ./batchfit
 COPY server ./server
 COPY batching ./batching
 COPY models ./models

@@ -58,7 +58,7 @@ SUMMARY = re.compile(r"\(([\d,]+) run at ([\d,.]+) inputs/s")
 # What ``batchfit embed`` imports and holds once its model is loaded: the cgroup's baseline.
 LOADED = """
 import sys
-import bulk.cli, pyarrow.parquet, server.cli
+import batchfit.cli, pyarrow.parquet
 from models import ModelSpec, load_model
 model = load_model(ModelSpec())
 model.forward(model.synthetic_items(1, 8))
@@ -116,7 +116,7 @@ def timed(command: list[str], *, preexec=None, kill_when=None) -> tuple[int, flo
 
 
 def embed_command(corpus: Path, out: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "server", "embed", str(corpus), "--out", str(out),
+    return [sys.executable, "-m", "batchfit", "embed", str(corpus), "--out", str(out),
             "--overwrite", "--progress", "log", *flags]  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""``batchfit bench``: flags and the entry point."""
+"""``batchfit bench``: its subcommand, flags and the entry point (``batchfit/cli.py`` composes
+it into ``batchfit``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from .generate.cli import add_generate_flags, bench_generate
 from .loadgen import CLIENTS
@@ -14,6 +16,8 @@ from .repeated import RepeatedOptions, run_repeated
 from .report import QUICK_NOTE, write_report
 from .runner import OVERHEAD_LOADS, SERVER_CONFIGS, BenchOptions, quick_options, run_bench
 from .targets import targets
+
+COMMANDS = {"bench": "Benchmark the server against the in-process limit; write a report."}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -26,6 +30,11 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(",") if x)
+
+
+def add_commands(commands: Any) -> None:
+    """``bench``, on ``batchfit``'s subparsers."""
+    add_bench_flags(commands.add_parser("bench", help=COMMANDS["bench"]))
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +118,8 @@ def repeated_options(args: argparse.Namespace) -> RepeatedOptions:
     )
 
 
-def bench(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed ``batchfit bench``."""
     logging.basicConfig(level="INFO", format="%(asctime)s bench: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.generate:

@@ -1,6 +1,6 @@
 """``batchfit embed | classify | rerank INPUT... --out DIR``: the command line of bulk jobs.
 
-``server/cli.py`` adds these subcommands to ``batchfit``; everything they do is here.
+``batchfit/cli.py`` composes these subcommands into ``batchfit``; everything they do is here.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = "64"
 
 
-def add_bulk_parsers(commands: Any) -> None:
+def add_commands(commands: Any) -> None:
     """The bulk subcommands, on ``batchfit``'s subparsers."""
     for task, summary in COMMANDS.items():
         parser = commands.add_parser(
@@ -224,13 +224,13 @@ def spec_from_args(args: argparse.Namespace) -> JobSpec:
 def bulk_command_line(argv: list[str], *, own_process: bool = False) -> int:
     """``batchfit embed|classify|rerank ...`` (``argv`` from the command's name on), parsed
     without the rest of ``batchfit``'s commands. ``own_process``: the process runs this job
-    alone (``bulk_main``)."""
+    alone (``run_command``)."""
     parser = argparse.ArgumentParser(prog="batchfit")
-    add_bulk_parsers(parser.add_subparsers(dest="command", required=True))
-    return bulk_main(parser.parse_args(argv), own_process=own_process)
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    return run_command(parser.parse_args(argv), own_process=own_process)
 
 
-def bulk_main(args: argparse.Namespace, *, own_process: bool = False) -> int:
+def run_command(args: argparse.Namespace, *, own_process: bool = False) -> int:
     """Run the job ``args`` describe; 0 when it finished, 2 for a job that cannot run as
     given, 1 when it failed on the way, 3 when a forward pass hung and 130 when interrupted
     (rerun to resume, in both).

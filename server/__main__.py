@@ -1,14 +1,13 @@
-"""``python -m server`` and the ``batchfit`` script: ``batchfit``'s command line."""
+"""``python -m server``: the server's own commands (serve, plan, up); ``batchfit`` (the
+script, ``python -m batchfit``) has every room's."""
 
 import gc
 import sys
 
 
 def main() -> int:
-    # The libraries' imports (torch, transformers: some 340,000 objects that live as long as
-    # the process) make next to no garbage, yet set off full collections, each walking all
-    # that was imported so far: 0.4 s of every start on 2 cores. So none runs while they
-    # import, and what they leave is frozen out of the collections after.
+    # As batchfit/__main__.py does, and for the same 0.4 s: the replicas of ``batchfit up``
+    # (and the benchmarks' servers) start this way, each start and restart waiting on it.
     gc.disable()
     try:
         from .cli import main as command_line

@@ -1,4 +1,5 @@
-"""``batchfit`` command line: every Settings field is a flag of the same name."""
+"""The server's commands of ``batchfit`` (serve, plan, up): every Settings field is a flag of
+the same name. ``batchfit/cli.py`` composes them with the other rooms' commands."""
 
 from __future__ import annotations
 
@@ -9,21 +10,25 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from bulk.cli import COMMANDS as BULK_COMMANDS
-from bulk.cli import add_bulk_parsers, bulk_command_line
-
 from .logs import configure_logging
 from .settings import LauncherSettings, Settings
 
-# NOTE: the HTTP stack (uvicorn, the app, the launcher) and the benchmarks are imported by
-# the commands that use them: a bulk job needs none of them, and their imports (FastAPI,
-# aiohttp) took 0.6 s of a bulk job's start on 2 cores.
+# NOTE: the HTTP stack (uvicorn, the app, the launcher) is imported by the commands that use
+# it: a bulk job, whose command line (batchfit/cli.py) imports this module, needs none of it,
+# and its imports (FastAPI and, in the benchmarks, aiohttp) took 0.6 s of a bulk job's start
+# on 2 cores.
 
 log = logging.getLogger("batchfit")
+COMMANDS = {
+    "serve": "Serve a model over HTTP.",
+    "plan": "Load the model, calibrate memory as serve does, print the memory plan.",
+    "up": "Start several replicas behind a local Nginx (no Docker needed).",
+}
 
 
 def add_settings_flags(
@@ -159,35 +164,31 @@ def serve(settings: Settings) -> int:
     return code
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from bench.cli import add_bench_flags
-
+def add_commands(commands: Any) -> None:
+    """``serve``, ``plan`` and ``up``, on ``batchfit``'s subparsers."""
     from .runtime.plan import PLAN_FIELDS
     from .supervise.launcher import REPLICA_ADDRESS_FIELDS
 
-    parser = argparse.ArgumentParser(
-        prog="batchfit", description="Adaptive-batching inference server."
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve_parser = commands.add_parser("serve", help="Serve a model over HTTP.")
-    plan_parser = commands.add_parser(
-        "plan", help="Load the model, calibrate memory as serve does, print the memory plan."
-    )
+    serve_parser = commands.add_parser("serve", help=COMMANDS["serve"])
+    plan_parser = commands.add_parser("plan", help=COMMANDS["plan"])
     add_settings_flags(plan_parser, only=PLAN_FIELDS)
     add_settings_flags(serve_parser)
     up_parser = commands.add_parser(
         "up",
-        help="Start several replicas behind a local Nginx (no Docker needed).",
+        help=COMMANDS["up"],
         description="Start --replicas replicas on loopback ports and Nginx on --port in front "
         "of them. The serve flags below are passed to every replica.",
     )
     add_settings_flags(up_parser, LauncherSettings)
     add_settings_flags(up_parser, Settings, skip=REPLICA_ADDRESS_FIELDS)
-    bench_parser = commands.add_parser(
-        "bench", help="Benchmark the server against the in-process limit; write a report."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The server's own commands (``python -m server``); ``batchfit`` adds the other rooms'."""
+    parser = argparse.ArgumentParser(
+        prog="batchfit", description="Adaptive-batching inference server."
     )
-    add_bench_flags(bench_parser)
-    add_bulk_parsers(commands)
+    add_commands(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
@@ -210,24 +211,12 @@ def _busy_port(settings: Settings) -> str | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``argv`` None: the process's own command line (the ``batchfit`` script, ``python -m
-    server``), a process that runs this one command."""
-    own_process = argv is None
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in BULK_COMMANDS:
-        # Parsed by the bulk commands' own parser (the same flags): nothing of the server
-        # is imported.
-        return bulk_command_line(argv, own_process=own_process)
-    args = build_parser().parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed ``serve``, ``plan`` or ``up``."""
     if args.command == "up":
         from .supervise.launcher import up
 
         return up(args)
-    if args.command == "bench":
-        from bench.cli import bench
-
-        return bench(args)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
@@ -247,3 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             os._exit(130)
         return 0
     return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The server's own commands; ``argv`` None: the process's command line (``python -m
+    server``)."""
+    return run_command(build_parser().parse_args(argv))

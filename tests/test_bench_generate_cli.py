@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from batchfit.cli import build_parser
 from bench.generate import vllm_env
 from bench.generate.cli import DEFAULT_OUT, generate_options
 from bench.generate.options import GenerateOptions
 from bench.generate.peers import vllm_launch
 from bench.generate.runner import startup_notes
-from server.cli import build_parser
 
 
 def _args(*argv):

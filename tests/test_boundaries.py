@@ -1,7 +1,8 @@
 """Keep the package boundaries true: models imports neither batching nor server;
 batching never imports a concrete model (nor server); bulk jobs and generation compose
 models and batching without the server; none of models and batching imports bulk or
-generation."""
+generation; the server imports neither the benchmarks nor bulk jobs (``batchfit``, above every
+room, composes their commands); no room imports ``batchfit``."""
 
 import ast
 import subprocess
@@ -12,14 +13,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
-    "models": {"server", "batching", "bulk", "generation"},
-    "batching": {"server", "models", "bulk", "generation"},
-    "bulk": {"server", "generation"},
-    "generation": {"server", "bulk"},
+    "models": {"server", "batching", "bulk", "generation", "batchfit"},
+    "batching": {"server", "models", "bulk", "generation", "batchfit"},
+    "bulk": {"server", "generation", "batchfit"},
+    "generation": {"server", "bulk", "batchfit"},
+    "server": {"bench", "bulk", "batchfit"},
 }
 
 
 def imported_packages(path: Path) -> set[str]:
+    """Every top-level package the module imports, at its top or inside a function."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -38,7 +41,22 @@ def test_package_boundaries(package):
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("package", ["server", "batching", "models", "generation", "bulk"])
+def test_the_server_imports_neither_the_benchmarks_nor_bulk_jobs():
+    """``server/`` sits below ``batchfit``: the command line that offers ``batchfit bench`` and
+    ``batchfit embed`` composes those rooms; the server never reaches up into them, at a
+    module's top or inside a function."""
+    files = sorted((ROOT / "server").rglob("*.py"))
+    assert ROOT / "server" / "cli.py" in files
+    bad = {
+        str(path.relative_to(ROOT)): sorted(imported_packages(path) & {"bench", "bulk"})
+        for path in files
+    }
+    assert {path: names for path, names in bad.items() if names} == {}
+
+
+@pytest.mark.parametrize(
+    "package", ["batchfit", "server", "batching", "models", "generation", "bulk"]
+)
 def test_public_names_are_exported(package):
     module = __import__(package)
     assert module.__all__
@@ -49,7 +67,7 @@ def test_public_names_are_exported(package):
 def test_serving_never_imports_pyarrow():
     """``batchfit serve`` imports the bulk commands' parsers but not Parquet: pyarrow's
     libraries would add their resident pages to every replica under a memory limit."""
-    code = "import sys, server.cli, server.app; print('pyarrow' in sys.modules)"
+    code = "import sys, batchfit.cli, server.app; print('pyarrow' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, cwd=ROOT)  # fmt: skip
     assert done.stdout.strip() == "False"

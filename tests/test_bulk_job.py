@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchfit.cli import main
 from bulk import JobError, JobSpec, ManifestMismatch, run_job
 from bulk.pipeline import StrictReject
-from server.cli import main
 from tests.bulk_fakes import DIM, FakeEmbedder, expected_embedding
 
 

@@ -1,6 +1,6 @@
 """What a bulk job's process does around the job: the HTTP stack left unimported, no garbage
 collection while the libraries import, and the loaded heap frozen only in a process of its
-own (``python -m server embed``), never in a caller that goes on (a test)."""
+own (``python -m batchfit embed``), never in a caller that goes on (a test)."""
 
 import gc
 import os
@@ -12,7 +12,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from server.cli import main
+from batchfit.cli import main
 from tests.bulk_fakes import HANG_HOLDING_GIL, HANG_ONCE, SLOW_WRITE_ENV, expected_embedding
 from tests.servers import ROOT
 
@@ -27,7 +27,7 @@ def run_python(code: str) -> str:
 
 def test_a_bulk_command_imports_none_of_the_http_stack():
     code = (
-        "import sys\nfrom server.cli import main\ntry:\n    main(['embed', '--help'])\n"
+        "import sys\nfrom batchfit.cli import main\ntry:\n    main(['embed', '--help'])\n"
         f"except SystemExit:\n    pass\nprint([m for m in {SERVER_ONLY!r} if m in sys.modules])"
     )
     assert run_python(code).splitlines()[-1] == "[]"
@@ -35,7 +35,7 @@ def test_a_bulk_command_imports_none_of_the_http_stack():
 
 def test_the_entry_point_collects_again_after_the_imports_with_the_imported_heap_frozen():
     code = (
-        "import gc, sys\nfrom server.__main__ import main\nsys.argv = ['batchfit', '--help']\n"
+        "import gc, sys\nfrom batchfit.__main__ import main\nsys.argv = ['batchfit', '--help']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print(gc.isenabled(), gc.get_freeze_count() > 100_000)"
     )
@@ -51,7 +51,7 @@ def test_only_a_job_in_its_own_process_freezes_the_heap(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "here")]) == 0
     assert gc.get_freeze_count() == frozen
     job = subprocess.run(
-        [sys.executable, "-m", "server", *args, "--out", str(tmp_path / "own")],
+        [sys.executable, "-m", "batchfit", *args, "--out", str(tmp_path / "own")],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert job.returncode == 0, job.stderr[-2000:]
@@ -67,7 +67,7 @@ def test_a_hung_pass_ends_the_job_with_every_stack_and_a_rerun_resumes_after_the
     path.write_bytes(b"".join(orjson.dumps({"text": t}) + b"\n" for t in texts))
     out = tmp_path / "out"
     command = [
-        sys.executable, "-m", "server", "embed", str(path), "--out", str(out), "--model",
+        sys.executable, "-m", "batchfit", "embed", str(path), "--out", str(out), "--model",
         "python:tests.bulk_fakes:hanging_embedder", "--part-rows", "10", "--progress", "log",
         "--forward-timeout-s", "1",
     ]  # fmt: skip
@@ -104,7 +104,7 @@ def test_a_pass_that_holds_the_gil_ends_the_job_from_faulthandlers_thread(tmp_pa
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"".join(orjson.dumps({"text": t}) + b"\n" for t in texts))
     frozen = subprocess.run(
-        [sys.executable, "-m", "server", "embed", str(path), "--out", str(tmp_path / "out"),
+        [sys.executable, "-m", "batchfit", "embed", str(path), "--out", str(tmp_path / "out"),
          "--model", "python:tests.bulk_fakes:hanging_embedder", "--part-rows", "10",
          "--forward-timeout-s", "1"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,

@@ -522,7 +522,7 @@ from server.supervise.nginx import TEMPLATE_PATH, compose_config, render
 assert TEMPLATE_PATH.is_relative_to({str(installed)!r}), TEMPLATE_PATH
 assert "proxy_next_upstream" in render(compose_config())
 sys.argv = ["batchfit", "--help"]
-from server.__main__ import main
+from batchfit.__main__ import main
 main()
 """
     result = subprocess.run(

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 def test_quick_bench_writes_the_report(tmp_path):
     out = tmp_path / "report"
     done = subprocess.run(
-        [sys.executable, "-m", "server", "bench", "--quick", "--rates", "8", "--duration-s", "1",
+        [sys.executable, "-m", "batchfit", "bench", "--quick", "--rates", "8", "--duration-s", "1",
          "--overhead-duration-s", "1", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=450,
     )  # fmt: skip

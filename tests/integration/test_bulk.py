@@ -58,7 +58,7 @@ def make_corpus(path: Path) -> list[str | None]:
 
 def embed_command(corpus: Path, out: Path, *flags: str) -> list[str]:
     return [
-        sys.executable, "-m", "server", "embed", str(corpus), "--out", str(out),
+        sys.executable, "-m", "batchfit", "embed", str(corpus), "--out", str(out),
         "--part-rows", str(PART_ROWS), "--progress", "log", "--log-every-s", "5", *flags,
     ]  # fmt: skip
 

@@ -33,7 +33,7 @@ WORDS = ["memory", "batch", "split", "token", "model", "server", "queue", "laten
 # cgroup usage is the stack's own, before any batch.
 LOADED = """
 import sys
-import bulk.cli, pyarrow.parquet, server.cli
+import batchfit.cli, pyarrow.parquet
 from models import ModelSpec, load_model
 model = load_model(ModelSpec())
 model.forward(model.synthetic_items(1, 8))
@@ -87,7 +87,7 @@ def test_the_job_lives_within_a_limit_that_kills_sentence_transformers(tmp_path)
         cgroup.reset_peak()
         started = time.perf_counter()
         job = subprocess.run(
-            [sys.executable, "-m", "server", "embed", str(path), "--out", str(out),
+            [sys.executable, "-m", "batchfit", "embed", str(path), "--out", str(out),
              "--part-rows", "200", "--max-batch-size", "1024", "--max-batch-tokens", "1000000",
              "--progress", "log"],
             cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=cgroup.join,

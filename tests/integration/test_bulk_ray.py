@@ -78,7 +78,7 @@ def test_two_actors_give_the_single_process_embeddings_and_resume(cluster, tmp_p
     rows = make_dataset(path)
     single = tmp_path / "single"
     done = subprocess.run(
-        [sys.executable, "-m", "server", "embed", str(path / "*.parquet"), "--out", str(single),
+        [sys.executable, "-m", "batchfit", "embed", str(path / "*.parquet"), "--out", str(single),
          "--id-field", "id", "--part-rows", "80", "--progress", "log"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
