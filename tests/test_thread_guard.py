@@ -129,7 +129,7 @@ def test_until_it_begins_a_guard_judges_nothing_however_busy_the_host():
 
 async def test_a_replica_s_guard_judges_no_pass_of_its_warm_up(tmp_path, registry, monkeypatch):
     from models.testing import save_tiny_model
-    from server.runtime import runtime as runtime_module
+    from server.runtime import starting as starting_module
     from server.runtime.contention import RunDelay
     from server.runtime.runtime import Runtime
     from server.runtime.threads import AFFINITY, ThreadCount
@@ -137,7 +137,7 @@ async def test_a_replica_s_guard_judges_no_pass_of_its_warm_up(tmp_path, registr
 
     folder = save_tiny_model(tmp_path / "m")
     # Two threads from the CPU affinity, as on a host of two CPUs or more: a guard is made.
-    monkeypatch.setattr(runtime_module, "thread_count", lambda flag: ThreadCount(2, AFFINITY))
+    monkeypatch.setattr(starting_module, "thread_count", lambda flag: ThreadCount(2, AFFINITY))
     passes: list[str] = []  # the phase of every guarded pass
     reads: list[str] = []  # and of every read of the run delay
     read, wrap = RunDelay.__call__, ThreadGuard.wrap

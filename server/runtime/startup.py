@@ -1,6 +1,6 @@
 """The steps of a replica's start-up that set one thing each: a model loaded, where its
 requests are tokenized, the host memory limit, the output cache's bound. ``Runtime._start``
-runs them in order."""
+(``starting.py``) runs them in order."""
 
 from __future__ import annotations
 
