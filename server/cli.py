@@ -111,6 +111,8 @@ def serve(settings: Settings) -> int:
         print(f"batchfit: {busy}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    for note in settings.lowered_defaults():
+        log.info(note)
     # Read by oneDNN at its first use: before the model loads. An operator's value wins.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
     if settings.api_workers > 1:

@@ -1,3 +1,4 @@
+import logging
 import re
 
 import pytest
@@ -163,9 +164,9 @@ def test_queue_share_applies_only_with_several_models():
         ({"max_queue_items": 64, "max_inputs_per_request": 100},
          "max_inputs_per_request (100) exceeds max_queue_items (64): such a request could never "
          "be admitted; lower --max-inputs-per-request or raise --max-queue-items"),
-        ({"max_queue_items": 64},  # the default of 256 inputs
-         "max_inputs_per_request (256) exceeds max_queue_items (64)"),
-        ({"model": "a=x,b=y", "max_queue_share": 0.2},
+        ({"max_inputs_per_request": 2000},  # the default queue of 1024 items
+         "max_inputs_per_request (2000) exceeds max_queue_items (1024)"),
+        ({"model": "a=x,b=y", "max_queue_share": 0.2, "max_inputs_per_request": 256},
          "max_inputs_per_request (256) exceeds one model's share of the queue (204 = "
          "max_queue_items 1024 x max_queue_share 0.2): such a request could never be admitted; "
          "lower --max-inputs-per-request or raise --max-queue-share (or --max-queue-items)"),
@@ -182,10 +183,67 @@ def test_every_full_request_fits_at_the_edges():
     Settings(max_queue_share=0.2)  # one model: no share applies
 
 
-def test_serve_refuses_such_settings_at_start_up_and_names_the_flag(capsys, monkeypatch):
+@pytest.mark.parametrize(
+    ("settings", "limit", "note"),
+    [
+        ({"max_queue_items": 32}, 32,
+         "--max-inputs-per-request lowered from its default 256 to 32 to fit --max-queue-items "
+         "32: a larger request could never be admitted"),
+        ({"model": "a=x,b=y", "max_queue_share": 0.2}, 204,
+         "--max-inputs-per-request lowered from its default 256 to 204 to fit one model's share "
+         "of the queue (--max-queue-items 1024 x --max-queue-share 0.2): a larger request could "
+         "never be admitted"),
+        ({"model": "a=x,b=y", "max_queue_items": 100, "max_queue_share": 0.5}, 50,
+         "to 50 to fit one model's share of the queue (--max-queue-items 100 x --max-queue-share "
+         "0.5)"),
+        ({"max_queue_items": 1000}, 256, None),  # room for the default: kept, nothing to say
+        ({"model": "a=x,b=y", "max_queue_share": 0.25}, 256, None),
+        ({"max_queue_items": 32, "max_inputs_per_request": 8}, 8, None),  # set by hand: kept
+    ],
+)  # fmt: skip
+def test_the_default_limit_of_inputs_is_lowered_to_what_the_queue_holds(settings, limit, note):
+    lowered = Settings(**settings)
+    assert lowered.max_inputs_per_request == limit
+    assert lowered.server_config().max_inputs_per_request == limit
+    if note is None:
+        assert lowered.lowered_defaults() == []
+    else:
+        (said,) = lowered.lowered_defaults()
+        assert note in said
+
+
+def test_a_limit_set_in_the_environment_counts_as_set_by_hand(monkeypatch):
+    monkeypatch.setenv("BATCHFIT_MAX_INPUTS_PER_REQUEST", "64")
+    with pytest.raises(ValidationError, match=re.escape("max_inputs_per_request (64) exceeds")):
+        Settings(max_queue_items=32)
+    monkeypatch.setenv("BATCHFIT_MAX_QUEUE_ITEMS", "32")
+    monkeypatch.delenv("BATCHFIT_MAX_INPUTS_PER_REQUEST")
+    assert Settings().max_inputs_per_request == 32
+
+
+def test_serve_starts_with_a_small_queue_and_logs_the_lowered_default(caplog, monkeypatch):
+    served = []
+    monkeypatch.setattr("server.cli._busy_port", lambda settings: None)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")  # serve sets it where unset
+    # The engine's branch of serve, faked: it returns once the start-up log is written.
+    monkeypatch.setattr("server.engine.serve_engine", lambda s: served.append(s) or 0)
+    caplog.set_level(logging.INFO, logger="batchfit")
+    assert main(["serve", "--max-queue-items", "32", "--api-workers", "2"]) == 0
+    (settings,) = served
+    assert (settings.max_queue_items, settings.max_inputs_per_request) == (32, 32)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "--max-inputs" in r.getMessage()]
+    assert said == [(logging.INFO,
+        "--max-inputs-per-request lowered from its default 256 to 32 to fit --max-queue-items "
+        "32: a larger request could never be admitted")]  # fmt: skip
+
+
+def test_serve_refuses_both_limits_set_by_hand_that_cannot_work_together(capsys, monkeypatch):
     monkeypatch.setattr("server.cli.serve", lambda settings: 0)  # never a real server here
-    assert main(["serve", "--max-queue-items", "64"]) == 2
-    assert "lower --max-inputs-per-request or raise --max-queue-items" in capsys.readouterr().err
+    argv = ["serve", "--max-queue-items", "64", "--max-inputs-per-request", "100"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "max_inputs_per_request (100) exceeds max_queue_items (64)" in err
+    assert "lower --max-inputs-per-request or raise --max-queue-items" in err
 
 
 def test_api_workers_take_the_metrics_port_and_the_admin_token_and_are_at_least_one():

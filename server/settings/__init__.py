@@ -22,7 +22,7 @@ from .launcher import LauncherSettings
 from .lifecycle import LifecycleSettings
 from .memory import MemorySettings
 from .models import ModelSettings
-from .queue import QueueSettings
+from .queue import MAX_INPUTS_PER_REQUEST, QueueSettings
 
 __all__ = [
     "MEMORY_READING_INTERVAL_S",
@@ -61,23 +61,45 @@ class Settings(
     @model_validator(mode="after")
     def _check_admission(self) -> Settings:
         """A request of ``max_inputs_per_request`` inputs must fit in the queue (and in one
-        model's share of it); else such a request would get 429 "retry later" for ever."""
+        model's share of it); else such a request would get 429 "retry later" for ever. Left
+        unset (no flag, no variable), the limit is lowered to fit instead of refused."""
         limit = self.max_inputs_per_request
+        share = self.max_items_per_model()
+        room = self.max_queue_items if share is None else min(share, self.max_queue_items)
+        if limit <= room:
+            return self
+        if "max_inputs_per_request" not in self.model_fields_set:
+            # NOTE: set past the frozen model's guard, and still not in model_fields_set: the
+            # default, lowered, which lowered_defaults() reports.
+            self.__dict__["max_inputs_per_request"] = room
+            return self
         if limit > self.max_queue_items:
             raise ValueError(
                 f"max_inputs_per_request ({limit}) exceeds max_queue_items "
                 f"({self.max_queue_items}): such a request could never be admitted; lower "
                 "--max-inputs-per-request or raise --max-queue-items"
             )
-        share = self.max_items_per_model()
-        if share is not None and limit > share:
-            raise ValueError(
-                f"max_inputs_per_request ({limit}) exceeds one model's share of the queue "
-                f"({share} = max_queue_items {self.max_queue_items} x max_queue_share "
-                f"{self.max_queue_share}): such a request could never be admitted; lower "
-                "--max-inputs-per-request or raise --max-queue-share (or --max-queue-items)"
-            )
-        return self
+        raise ValueError(
+            f"max_inputs_per_request ({limit}) exceeds one model's share of the queue "
+            f"({share} = max_queue_items {self.max_queue_items} x max_queue_share "
+            f"{self.max_queue_share}): such a request could never be admitted; lower "
+            "--max-inputs-per-request or raise --max-queue-share (or --max-queue-items)"
+        )
+
+    def lowered_defaults(self) -> list[str]:
+        """The defaults lowered to fit the settings given, one sentence each, for the
+        start-up log."""
+        limit = self.max_inputs_per_request
+        if "max_inputs_per_request" in self.model_fields_set or limit == MAX_INPUTS_PER_REQUEST:
+            return []
+        room = f"--max-queue-items {self.max_queue_items}"
+        if limit < self.max_queue_items:
+            share = f"--max-queue-share {self.max_queue_share}"
+            room = f"one model's share of the queue ({room} x {share})"
+        return [
+            f"--max-inputs-per-request lowered from its default {MAX_INPUTS_PER_REQUEST} to "
+            f"{limit} to fit {room}: a larger request could never be admitted"
+        ]
 
     def max_items_per_model(self, num_models: int | None = None) -> int | None:
         """What one model may hold of the queue (None: all of it), serving ``num_models``

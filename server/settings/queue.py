@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+MAX_INPUTS_PER_REQUEST = 256
+"""``max_inputs_per_request``'s default, where the queue (or one model's share of it) holds
+that many."""
+
 
 class QueueSettings(BaseModel):
     """The queue's group of ``Settings`` (flags of the same names)."""
@@ -21,10 +25,11 @@ class QueueSettings(BaseModel):
         "others; beyond it that model's requests get 429.",
     )
     max_inputs_per_request: int = Field(
-        256,
+        MAX_INPUTS_PER_REQUEST,
         ge=1,
         description="Most inputs in one request; beyond it 413. At most --max-queue-items "
-        "(and one model's --max-queue-share of it), so that every request can be admitted.",
+        "(and one model's --max-queue-share of it), so that every request can be admitted: "
+        "unset, it is lowered to fit them, and the start-up log says so.",
     )
     deduplicate: bool = Field(
         True,
