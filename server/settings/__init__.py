@@ -65,7 +65,7 @@ class Settings(
         unset (no flag, no variable), the limit is lowered to fit instead of refused."""
         limit = self.max_inputs_per_request
         share = self.max_items_per_model()
-        room = self.max_queue_items if share is None else min(share, self.max_queue_items)
+        room = self.max_queue_items if share is None else share
         if limit <= room:
             return self
         if "max_inputs_per_request" not in self.model_fields_set:
