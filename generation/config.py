@@ -19,5 +19,6 @@ class EngineConfig:
     max_waiting: int = 1024
     """Most sequences waiting to join; beyond it ``submit`` raises ``QueueFull`` (429)."""
     headroom_fraction: float = 0.15
-    """Share of the free memory the key/value store leaves unused."""
+    """Share of what the key/value store could hold (what it holds and what is free) that it
+    leaves unused."""
     priority_aging_s: float = 1.0

@@ -75,7 +75,7 @@ class GenerationMetrics:
         self.cache_budget_bytes = Gauge(
             "batchfit_generation_cache_budget_bytes",
             "The most the key/value store may hold at the latest step: what it held plus the "
-            "memory free beside that step, less the headroom.",
+            "memory free, less the headroom's share of both and the step's activations.",
             MODEL, registry=registry,
         )  # fmt: skip
         self.preemptions = Counter(

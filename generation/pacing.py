@@ -1,7 +1,7 @@
 """What the next step may spend, and what each step teaches about it: the caps (lowered by
 an OOM, ``ceiling.py``), the prompt tokens beside its decode tokens (``timing.py``), and the
-memory its cache may take (the free memory read before it, less the headroom and its
-activations); and a generator's warm-up, whose timed steps seed them."""
+memory its cache may take (what it holds and the free memory read before it, less the
+headroom and its activations); and a generator's warm-up, whose timed steps seed them."""
 
 from __future__ import annotations
 
@@ -50,18 +50,27 @@ class StepPacing:
             prefill = config.default_prefill_tokens if tokens is None else max(tokens, 1)
         else:
             prefill = config.max_step_tokens
-        limit = None
-        if reading is not None and reading.free_bytes is not None:
-            reserve = self._model.step_bytes(config.max_step_tokens, 0, config.max_running)
-            room = reading.free_bytes * (1 - config.headroom_fraction) - reserve
-            limit = max(0.0, cache_bytes + room)
         ceiling = self.ceiling
         step_tokens = min(config.max_step_tokens, ceiling.max_tokens or config.max_step_tokens)
+        prefill = min(prefill, step_tokens)
+        limit = None
+        if reading is not None and reading.free_bytes is not None:
+            # The activations of the step this budget allows: its tokens, and a row of logits
+            # for every running sequence (each sequence that joins adds its own row, which
+            # the scheduler counts as it admits it).
+            # The headroom is a share of all the cache could hold (what it holds and what is
+            # free), not of what is free now: memory others take between two steps (a process
+            # beside this one under the same cgroup) finds it still there when free runs low.
+            tokens = min(step_tokens, len(decoding) + prefill)
+            reserve = self._model.step_bytes(tokens, 0, len(running))
+            could = cache_bytes + reading.free_bytes
+            limit = max(0.0, could * (1 - config.headroom_fraction) - reserve)
         return StepBudget(
             max_running=min(config.max_running, ceiling.max_sequences or config.max_running),
             max_step_tokens=step_tokens,
-            max_prefill_tokens=min(prefill, step_tokens),
+            max_prefill_tokens=prefill,
             bytes_per_token=self._model.cache_bytes_per_token,
+            bytes_per_row=self._model.step_bytes(0, 0, 1),
             cache_bytes=limit,
             now=now,
             priority_aging_s=config.priority_aging_s,

@@ -29,6 +29,8 @@ class StepBudget:
     cache_bytes: float | None
     """The most the store may hold after the step (what it holds plus what is free beside
     the step's activations); None: no memory bound."""
+    bytes_per_row: int = 0
+    """The activations a sequence adds to a step as it joins: its row of logits."""
     now: float = 0.0
     priority_aging_s: float = 0.0
     """A waiting sequence's priority rises by one every this many seconds (0: never)."""
@@ -64,9 +66,9 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
     - Every running sequence with one pending token decodes; those still prefilling go on
       with chunks under ``max_prefill_tokens``.
     - Waiting sequences then join in the same order while a sequence slot, prefill tokens
-      and memory for their whole pending tokens (and growth) remain. The first that does not
-      fit stops the others behind it, so FIFO among equals holds; with nothing running it
-      joins anyway (it can only run alone).
+      and memory for their whole pending tokens (and growth) and their row of logits
+      remain. The first that does not fit stops the others behind it, so FIFO among equals
+      holds; with nothing running it joins anyway (it can only run alone).
     """
     now, aging = budget.now, budget.priority_aging_s
     order = lambda s: (-effective_priority(s, now, aging), s.arrival_s, s.seq_id)  # noqa: E731
@@ -92,6 +94,7 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
         if slots <= 0 or prefill_left <= 0:
             break
         need = (seq.num_pending + min(GROWTH_TOKENS, max(seq.room, 0))) * per_token
+        need += budget.bytes_per_row
         if limit is not None and used + need > limit and (running or prefill):
             break
         count = min(seq.num_pending, prefill_left)

@@ -82,6 +82,17 @@ def test_a_prompt_that_does_not_fit_stops_the_ones_behind_it():
     assert plan.prefill == ()
 
 
+def test_a_joining_sequence_counts_its_row_of_logits():
+    running = [seq(1, 10, cached=10, output=1)]
+    held = 10 + 1 + GROWTH_TOKENS
+    need = 5 + GROWTH_TOKENS  # a 5-token prompt and its growth
+    waiting = [seq(2, 5), seq(3, 5)]
+    fits = budget(cache_bytes=held + 2 * need + 2 * 40, bytes_per_row=40)
+    assert [s.seq_id for s, _ in schedule(running, waiting, fits).prefill] == [2, 3]
+    short = budget(cache_bytes=held + 2 * need + 40, bytes_per_row=40)
+    assert [s.seq_id for s, _ in schedule(running, waiting, short).prefill] == [2]
+
+
 def test_with_nothing_running_the_first_waiting_joins_whatever_memory_says():
     plan = schedule([], [seq(2, 500)], budget(cache_bytes=10))
     assert [(s.seq_id, n) for s, n in plan.prefill] == [(2, 256)]

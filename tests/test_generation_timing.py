@@ -1,10 +1,14 @@
 """The step time model: fitted to steps of known cost, it predicts them and says how many
-prompt tokens a decode step may take beside its decode tokens."""
+prompt tokens a decode step may take beside its decode tokens; and the memory a step's budget
+leaves the cache."""
 
 import pytest
 
-from generation import StepTimeModel
+from batching import MemoryReading
+from generation import EngineConfig, StepTimeModel
+from generation.pacing import StepPacing
 from generation.timing import MIN_STEPS, PrefillPacer, attended
+from tests.test_generation_scheduler import seq
 
 
 def cost(tokens: int, pairs: int, seqs: int) -> float:
@@ -80,3 +84,30 @@ def test_attended_pairs_of_a_causal_chunk():
     assert attended(0, 1) == 1 and attended(10, 1) == 11
     assert attended(0, 4) == 1 + 2 + 3 + 4 and attended(100, 2) == 101 + 102
     assert attended(1000, 2, window=16) == 32
+
+
+class Activations:
+    """A generator whose step activations are 1,000 bytes a token and 10 a sampled row."""
+
+    cache_bytes_per_token = 100
+
+    def step_bytes(self, num_tokens: int, attended: int, num_sampled: int) -> int:
+        return 1000 * num_tokens + 10 * num_sampled
+
+
+def test_the_budget_keeps_room_for_the_step_it_allows_not_the_largest_step():
+    """What the cache holds and the free memory, less the headroom's share of both, less the
+    activations of this step (its decode tokens, its prompt tokens and a logits row per
+    running sequence) is what the cache may hold."""
+    config = EngineConfig(max_step_tokens=2048, default_prefill_tokens=64, headroom_fraction=0.5)
+    pacing = StepPacing(config, Activations())
+    running = [seq(i, 10, cached=10, output=1) for i in range(3)]
+    free = 1_000_000
+    budget = pacing.budget(running, MemoryReading(free_bytes=free), 5000, now=0.0)
+    tokens = 3 + 64  # three decode tokens and the default prefill chunk beside them
+    assert budget.cache_bytes == (5000 + free) * 0.5 - (1000 * tokens + 10 * 3)
+    assert budget.bytes_per_row == 10 and budget.max_prefill_tokens == 64
+    alone = pacing.budget([], MemoryReading(free_bytes=free), 0, now=0.0)
+    assert alone.cache_bytes == 0  # nothing decodes: a whole step, more than the room
+    roomy = pacing.budget([], MemoryReading(free_bytes=10 * free), 0, now=0.0)
+    assert roomy.cache_bytes == 10 * free * 0.5 - 1000 * 2048

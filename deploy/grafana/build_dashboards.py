@@ -363,7 +363,8 @@ def generation_row() -> list[Panel]:
                  "{{instance}} {{model}} budget"),
             ],
             description="What the running sequences' caches hold, against the most they may "
-            "hold at the latest step (what they held plus the free memory, less headroom); "
+            "hold at the latest step (what they held plus the free memory, less headroom and "
+            "the step's activations); "
             "near the budget, new sequences wait and the newest are preempted.",
         ),
         timeseries(
