@@ -336,7 +336,7 @@ class GenerationEngine:
                 if seq.text is None:
                     seq.text = SequenceText(self._prompts, seq)
                 seq.text.finish_reason = "length"
-                self.metrics.ended_for_memory["length"].inc()
+                self.metrics.oversized["length"].inc()
                 self._retire(seq)
                 emit([(seq, [])], self._prompts, self._clock.now(), self.metrics, self._finish)
             else:
@@ -344,7 +344,7 @@ class GenerationEngine:
                     f"a prompt of {len(seq.spec.prompt_ids)} tokens does not fit in memory even "
                     f"alone ({exc})"
                 )
-                self.metrics.ended_for_memory["refused"].inc()
+                self.metrics.oversized["refused"].inc()
                 self._end(seq, error=OutOfMemory(message, exc.requested_bytes))
 
     def _retire(self, seq: Sequence) -> None:

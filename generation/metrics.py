@@ -90,10 +90,10 @@ class GenerationMetrics:
             "had generated prefilled again).",
             MODEL, registry=registry,
         )  # fmt: skip
-        self.ended_for_memory = Counter(
-            "batchfit_generation_ended_for_memory_sequences",
-            "Sequences ended because memory could not hold them even alone: with tokens "
-            "generated they end with finish_reason length; a prompt not yet started gets 507.",
+        self.oversized = Counter(
+            "batchfit_generation_oversized_sequences",
+            "Sequences too large for memory even alone, so ended: with tokens generated they "
+            "end with finish_reason length; a prompt not yet started gets 507.",
             [*MODEL, "outcome"], registry=registry,
         )  # fmt: skip
         self.finished = Counter(
@@ -117,9 +117,7 @@ class GenerationMetrics:
             cache_budget_bytes=self.cache_budget_bytes.labels(model),
             preemptions={r: self.preemptions.labels(model, r) for r in PREEMPTION_REASONS},
             resumed=self.resumed.labels(model),
-            ended_for_memory={
-                o: self.ended_for_memory.labels(model, o) for o in ("length", "refused")
-            },
+            oversized={o: self.oversized.labels(model, o) for o in ("length", "refused")},
             finished={
                 r: self.finished.labels(model, r) for r in ("stop", "length", "cancelled", "error")
             },
@@ -142,5 +140,5 @@ class ModelGenerationMetrics:
     cache_budget_bytes: Gauge
     preemptions: dict[str, Counter]
     resumed: Counter
-    ended_for_memory: dict[str, Counter]
+    oversized: dict[str, Counter]
     finished: dict[str, Counter]

@@ -9,9 +9,9 @@ from typing import Any
 from . import openmp  # noqa: F401  # isort: skip
 
 __all__ = ["ApiError", "ServerConfig", "Settings", "create_app"]
-# Imported when first used: ``batchfit embed`` goes through this package (``python -m
-# server``, the ``batchfit`` script) but needs none of the HTTP stack, whose imports (FastAPI,
-# the app) cost a bulk job 0.3 s on 2 cores.
+# Imported when first used: ``batchfit embed`` imports this package (``batchfit/cli.py``
+# composes server's commands with the bulk ones) but needs none of the HTTP stack, whose
+# imports (FastAPI, the app) cost a bulk job 0.3 s on 2 cores.
 _EXPORTS = {
     "ApiError": ".errors",
     "ServerConfig": ".settings",

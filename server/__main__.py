@@ -2,20 +2,31 @@
 script, ``python -m batchfit``) has every room's."""
 
 import gc
+import importlib
 import sys
+from collections.abc import Callable
 
 
-def main() -> int:
-    # As batchfit/__main__.py does, and for the same 0.4 s: the replicas of ``batchfit up``
-    # (and the benchmarks' servers) start this way, each start and restart waiting on it.
+def quietly_imported(module: str) -> Callable[[], int]:
+    """``module``'s ``main``, imported with garbage collection off and what the import left
+    frozen out of it.
+
+    The libraries' imports (torch, transformers: some 340,000 objects that live as long as
+    the process) make next to no garbage, yet set off full collections, each walking all that
+    was imported so far: 0.4 s of every start on 2 cores. The replicas of ``batchfit up`` and
+    the benchmarks' servers start through ``python -m server``, each start and restart
+    waiting on it; ``batchfit/__main__.py`` starts this way too."""
     gc.disable()
     try:
-        from .cli import main as command_line
-
+        command_line = importlib.import_module(module).main
         gc.freeze()
     finally:
         gc.enable()
-    return command_line()
+    return command_line
+
+
+def main() -> int:
+    return quietly_imported("server.cli")()
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def test_every_metric_a_panel_reads_is_exported():
                         "batchfit_generation_cache_bytes", "batchfit_generation_cache_budget_bytes",
                         "sum by (reason) (rate(batchfit_generation_preemptions_total",
                         "rate(batchfit_generation_resumed_sequences_total",
-                        "batchfit_generation_ended_for_memory_sequences_total",
+                        "batchfit_generation_oversized_sequences_total",
                         "sum by (reason) (rate(batchfit_generation_finished_sequences_total",
                         "batchfit_generation_step_tokens_bucket"]),
     ],

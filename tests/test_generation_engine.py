@@ -273,7 +273,7 @@ async def test_a_lone_sequence_that_cannot_run_ends_with_length_or_507(thread):
     with pytest.raises(OutOfMemory, match="does not fit in memory even alone"):
         await read_all(stream)
     await stop(engine, task)
-    ended = engine.metrics.ended_for_memory
+    ended = engine.metrics.oversized
     assert ended["length"]._value.get() == 1 and ended["refused"]._value.get() == 1
 
 

@@ -374,8 +374,8 @@ def generation_row() -> list[Panel]:
              (f"sum(rate(batchfit_generation_resumed_sequences_total{{{MSEL}}}[{WINDOW}]))",
               "resumed"),
              (f"sum by (outcome) (rate("
-              f"batchfit_generation_ended_for_memory_sequences_total{{{MSEL}}}[{WINDOW}]))",
-              "ended for memory: {{outcome}}")],
+              f"batchfit_generation_oversized_sequences_total{{{MSEL}}}[{WINDOW}]))",
+              "oversized: {{outcome}}")],
             description="Sequences whose cache was freed to resume later: memory (the next "
             "step would not fit) or out_of_memory (a step failed an allocation); those that "
             "resumed (prefilled again); and those memory could not hold even alone (length: "
