@@ -57,18 +57,24 @@ def reference():
     prompts = [
         [tokenizer.bos_token_id, *ids[31 * i : 31 * i + n - 1]] for i, n in enumerate(LENGTHS)
     ]
+    return tokenizer, prompts, greedy_outputs(module, prompts, MAX_TOKENS)
+
+
+def greedy_outputs(module, prompts: list[list[int]], max_tokens: int):
+    """``generate``'s greedy tokens for each prompt alone, and at each the gap between its
+    two likeliest logits (where a tie may go either way)."""
     outputs = []
     for prompt in prompts:
         with torch.inference_mode():
             out = module.generate(
                 torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
+                max_new_tokens=max_tokens, do_sample=False, output_scores=True,
                 return_dict_in_generate=True,
             )  # fmt: skip
         tokens = out.sequences[0, len(prompt) :].tolist()
         gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
         outputs.append((tokens, gaps))
-    return tokenizer, prompts, outputs
+    return outputs
 
 
 def complete(url: str, prompt: list[int], **extra) -> dict:

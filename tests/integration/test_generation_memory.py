@@ -27,7 +27,7 @@ from models.gguf import converted_folder
 from models.spec import BUNDLED_MODEL
 from models.testing import save_tiny_model
 from tests.cgroups import child_cgroup
-from tests.integration.test_generation import TEMPLATE, differs, gemma_gguf
+from tests.integration.test_generation import TEMPLATE, differs, gemma_gguf, greedy_outputs
 from tests.servers import run_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -65,18 +65,7 @@ def reference():
     prompts = [
         [tokenizer.bos_token_id, *ids[53 * i : 53 * i + n - 1]] for i, n in enumerate(PROMPT_TOKENS)
     ]
-    outputs = []
-    for prompt in prompts:
-        with torch.inference_mode():
-            out = module.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
-                return_dict_in_generate=True,
-            )  # fmt: skip
-        tokens = out.sequences[0, len(prompt) :].tolist()
-        gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        outputs.append((tokens, gaps))
-    return tokenizer, prompts, outputs
+    return tokenizer, prompts, greedy_outputs(module, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +147,8 @@ def test_a_sibling_taking_memory_mid_stream_preempts_and_nothing_is_lost(replica
     )
     assert server.process.poll() is None and kills == 0, server.log()[-4000:]
     assert not failures, failures
-    assert peak < limit, (peak, limit)
+    # The cgroup's peak is printed, not asserted: its usage counts page cache, which the
+    # kernel reclaims at the limit; what must not happen is a kill.
     assert preempted >= 1 and resumed >= 1, "the sibling put no pressure on the cache"
     differing = sum(
         differs(tokenizer, text, tokens, gaps)
@@ -193,4 +183,3 @@ def test_a_generator_an_embedder_and_a_reranker_take_a_burst_under_one_limit(rep
     print(f"\nburst to three models: peak {peak / MiB:.0f} MiB of {limit / MiB:.0f}, "
           f"oom_kill {kills}")  # fmt: skip
     assert server.process.poll() is None and kills == 0, server.log()[-4000:]
-    assert peak < limit, (peak, limit)
