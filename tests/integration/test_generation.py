@@ -46,12 +46,19 @@ def replica(tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module")
-def reference():
+def reference_gemma():
+    """Gemma-3-270m's tokenizer and float32 module read with transformers from the folder the
+    server converts, generating past its end-of-sequence token (as ``ignore_eos``)."""
     folder = converted_folder(gemma_gguf())
     tokenizer = AutoTokenizer.from_pretrained(folder)
     module = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    module.generation_config.eos_token_id = None  # as ignore_eos
+    module.generation_config.eos_token_id = None
+    return tokenizer, module
+
+
+@pytest.fixture(scope="module")
+def reference():
+    tokenizer, module = reference_gemma()
     text = (ROOT / "README.md").read_text()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     prompts = [

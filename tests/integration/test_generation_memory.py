@@ -19,15 +19,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.cgroup_limit import scrape_value
-from models.gguf import converted_folder
 from models.spec import BUNDLED_MODEL
 from models.testing import save_tiny_model
 from tests.cgroups import child_cgroup
-from tests.integration.test_generation import TEMPLATE, differs, gemma_gguf, greedy_outputs
+from tests.integration.test_generation import (
+    TEMPLATE,
+    differs,
+    gemma_gguf,
+    greedy_outputs,
+    reference_gemma,
+)
 from tests.servers import run_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -57,10 +60,7 @@ SIBLING_CODE = (
 
 @pytest.fixture(scope="module")
 def reference():
-    folder = converted_folder(gemma_gguf())
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    module = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    module.generation_config.eos_token_id = None  # as ignore_eos
+    tokenizer, module = reference_gemma()
     ids = tokenizer((ROOT / "docs/design.md").read_text(), add_special_tokens=False)["input_ids"]
     prompts = [
         [tokenizer.bos_token_id, *ids[53 * i : 53 * i + n - 1]] for i, n in enumerate(PROMPT_TOKENS)
