@@ -28,6 +28,7 @@ from models import (
     StepRequest,
     StepResult,
 )
+from tests.fakes import FakeClock
 
 GREEDY = SamplingParams(temperature=0)
 EOS = 0
@@ -350,10 +351,24 @@ async def test_a_prompt_whose_chunks_leave_one_token_goes_on_with_that_token(thr
     assert fed[:2] == [(0, 9), (9, 1)]
 
 
+class TimedScriptedGenerator(ScriptedGenerator):
+    """A ``ScriptedGenerator`` whose steps take ``2 ms + 0.05 ms`` a token on ``clock``: the
+    scripted model's own time is scheduler noise, which a fit may find no per-token cost in."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def step(self, request: StepRequest) -> StepResult:
+        self.clock.advance(2e-3 + 5e-5 * request.num_tokens)
+        return super().step(request)
+
+
 async def test_warm_up_fits_the_step_time_model_and_frees_what_it_ran(thread):
-    model = ScriptedGenerator()
+    clock = FakeClock()
+    model = TimedScriptedGenerator(clock)
     engine = GenerationEngine(
-        name="m", model=model, model_thread=thread, clock=MonotonicClock(),
+        name="m", model=model, model_thread=thread, clock=clock,
         metrics=GenerationMetrics(CollectorRegistry(), max_step_tokens=2048).for_model("m"),
         config=EngineConfig(),
     )  # fmt: skip
