@@ -9,7 +9,7 @@ import pytest
 
 from batchfit.cli import build_parser
 from bench.generate import vllm_env
-from bench.generate.cli import DEFAULT_OUT, generate_options
+from bench.generate.cli import DEFAULT_OUT, generate_options, memory_options
 from bench.generate.options import GenerateOptions
 from bench.generate.peers import vllm_launch
 from bench.generate.runner import startup_notes
@@ -135,3 +135,20 @@ def test_vllm_on_all_cores_binds_its_threads_to_every_allowed_core_and_keeps_non
         GenerateOptions().vllm_all_cores
         and not generate_options(_args("--generate", "--quick")).vllm_all_cores
     )
+
+
+def test_the_memory_phase_has_its_defaults_and_refuses_unknown_peers():
+    options = memory_options(_args("--generate", "--memory-limit"))
+    assert options.peers == ("batchfit", "transformers", "vllm", "vllm-fitted")
+    assert (options.streams, options.room_mib, options.sibling_mib) == (64, 300, 200)
+    quick = memory_options(_args("--generate", "--memory-limit", "--quick", "--peers",
+                                 "batchfit", "--memory-room-mib", "500"))  # fmt: skip
+    assert (quick.streams, quick.room_mib, quick.peers) == (8, 500, ("batchfit",))
+    assert quick.quick and quick.spec.max_new_tokens == 32
+    with pytest.raises(ValueError, match="naive"):
+        memory_options(_args("--generate", "--memory-limit", "--peers", "naive"))
+
+
+def test_vllm_at_its_defaults_sets_no_cache_size():
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_launch(Path("/v"), "/m", kv_cache_gib=None).env
+    assert vllm_launch(Path("/v"), "/m", kv_cache_gib=0.2).env["VLLM_CPU_KVCACHE_SPACE"] == "0.2"

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from .peers import PEERS
 
 if TYPE_CHECKING:  # the runner imports the model's stack: only when it runs
+    from .memory import MemoryOptions
     from .runner import GenerateOptions
 
 DEFAULT_OUT = Path("bench-report-generate")
@@ -53,6 +54,14 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     add("--join-trials", type=int, default=None,
         help="--generate: trials of a 1,024-token prompt joining a running stream (default: "
              "3; --quick: 1).")
+    add("--memory-limit", action="store_true",
+        help="--generate: instead, streams (64; --quick: 8) under a memory cgroup's limit "
+             "at each server's loaded usage plus --memory-room-mib, then with a sibling "
+             "process taking 200 MiB of it halfway: batchfit, transformers' continuous "
+             "batching and vLLM at their defaults, vLLM with a cache fitted (--peers: some "
+             "of batchfit,transformers,vllm,vllm-fitted). Needs root (a child cgroup).")
+    add("--memory-room-mib", type=int, default=300,
+        help="--generate --memory-limit: the limit's room above the loaded server (MiB).")
     add("--batchfit-flag", action="append", default=[], dest="batchfit_flags", metavar="FLAG",
         help="--generate: extra flag for batchfit serve (repeatable).")
     # fmt: on
@@ -86,6 +95,8 @@ def bench_generate(args: argparse.Namespace) -> int:
     from .runner import run_generate
 
     logging.basicConfig(level="INFO", format="%(asctime)s bench: %(message)s", stream=sys.stderr)
+    if args.memory_limit:
+        return bench_memory(args)
     try:
         options = generate_options(args)
     except ValueError as exc:
@@ -100,4 +111,56 @@ def bench_generate(args: argparse.Namespace) -> int:
         value = "n/a" if ratio.value is None else f"{ratio.value:.2f}"
         print(f"{ratio.name}: {value} ({ratio.detail})")
     print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def memory_options(args: argparse.Namespace) -> MemoryOptions:
+    from .memory import MemoryOptions
+    from .workload import GenerateSpec
+
+    given = {
+        "peers": args.peers,
+        "streams": args.concurrency[0] if args.concurrency else None,
+        "room_mib": args.memory_room_mib,
+        "seed": args.seed,
+        "model": args.model,
+        "vllm_venv": args.vllm_venv,
+        "batchfit_flags": tuple(args.batchfit_flags) or None,
+    }
+    if args.quick:
+        quick = {"streams": 8, "quick": True, "max_run_s": 300.0,
+                 "spec": GenerateSpec(max_prompt_tokens=256, min_new_tokens=8,
+                                      max_new_tokens=32)}  # fmt: skip
+        given = quick | {k: v for k, v in given.items() if v is not None}
+    return MemoryOptions(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+
+
+def bench_memory(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from .memory import ratio_lines, render, run_memory
+
+    try:
+        options = memory_options(args)
+    except ValueError as exc:
+        print(f"batchfit bench --generate --memory-limit: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = run_memory(options)
+    except OSError as exc:  # no cgroup to make: not root, or no memory controller
+        print(f"batchfit bench --generate --memory-limit: {exc}", file=sys.stderr)
+        return 2
+    command = "batchfit " + shlex.join(sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"])
+    out = args.out or DEFAULT_OUT
+    out.mkdir(parents=True, exist_ok=True)
+    text = render(result, command)
+    (out / "memory.md").write_text(text)
+    figures = {"runs": [asdict(r) for r in result.runs], "started_at": result.started_at,
+               "wall_s": result.wall_s, "command": command}  # fmt: skip
+    (out / "memory.json").write_text(json.dumps(figures, indent=1))
+    print(text)
+    for line in ratio_lines(result):
+        print(line)
+    print(f"wrote {out / 'memory.md'}, {out / 'memory.json'}")
     return 0

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -70,19 +70,26 @@ class LimitRun:
     errors: int
 
 
-def run_limit(model: object, label: str, requests: Sequence[GenRequest]) -> LimitRun:
-    """Every request at once through a manager sized by ``cache_plan``; timed from the first
-    submission to the last result (the cache is allocated before the clock starts)."""
+def run_limit(
+    model: object, label: str, requests: Sequence[GenRequest], *, defaults: bool = False
+) -> LimitRun:
+    """Every request at once through a manager sized by ``cache_plan`` (``defaults``: as
+    transformers sizes it itself); timed from the first submission to the last result (the
+    cache is allocated before the clock starts)."""
     import torch
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     plan = cache_plan(requests)
-    config = ContinuousBatchingConfig(
-        num_blocks=plan.num_blocks,
-        page_size=plan.page_size,
-        max_batch_tokens=plan.max_batch_tokens,
-        max_requests_per_batch=plan.max_requests_per_batch,
+    config = (
+        ContinuousBatchingConfig()
+        if defaults
+        else ContinuousBatchingConfig(
+            num_blocks=plan.num_blocks,
+            page_size=plan.page_size,
+            max_batch_tokens=plan.max_batch_tokens,
+            max_requests_per_batch=plan.max_requests_per_batch,
+        )
     )
     # eos -1: no token ends a request, so each makes exactly max_tokens (ignore_eos).
     generation = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=1)
@@ -124,9 +131,9 @@ def _requests(raw: Sequence[Mapping[str, object]]) -> list[GenRequest]:
 
 def main(argv: Sequence[str]) -> int:
     """``IN.json``: {"model": folder, "device": "cpu", "dtype": "float32", "warm_up": [...],
-    "sets": {label: [request, ...]}}, a request being {"prompt_token_ids": [...],
-    "max_tokens": n}. Writes {label: LimitRun or {"error": ...}} to ``OUT.json`` after each
-    set."""
+    "sets": {label: [request, ...]}, "defaults": false}, a request being
+    {"prompt_token_ids": [...], "max_tokens": n}. Writes {label: LimitRun or {"error": ...}}
+    to ``OUT.json`` after each set."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -135,12 +142,13 @@ def main(argv: Sequence[str]) -> int:
     dtype = getattr(torch, given.get("dtype", "float32"))
     model = AutoModelForCausalLM.from_pretrained(given["model"], dtype=dtype)
     model = model.to(given.get("device", "cpu")).eval()
+    defaults = bool(given.get("defaults"))
     figures: dict[str, object] = {}
     if given.get("warm_up"):
-        run_limit(model, "warm-up", _requests(given["warm_up"]))
+        run_limit(model, "warm-up", _requests(given["warm_up"]), defaults=defaults)
     for label, raw in given["sets"].items():
         try:
-            figures[label] = asdict(run_limit(model, label, _requests(raw)))
+            figures[label] = asdict(run_limit(model, label, _requests(raw), defaults=defaults))
         except Exception as exc:  # one set's failure is its figure
             figures[label] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         out.write_text(json.dumps(figures))
@@ -156,9 +164,12 @@ def measure_limit(
     log_path: Path,
     device: str = "cpu",
     dtype: str = "float32",
+    defaults: bool = False,
+    preexec: Callable[[], None] | None = None,
 ) -> dict[str, dict[str, object]]:
     """Each set's ``LimitRun`` as a dict, or ``{"error": ...}`` (the child's last words where
-    it failed or outlasted ``timeout_s``)."""
+    it failed or outlasted ``timeout_s``). ``defaults``: the cache as transformers sizes it;
+    ``preexec`` runs in the child before it starts (to join a cgroup)."""
 
     def encode(requests: Sequence[GenRequest]) -> list[dict[str, object]]:
         return [{"prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens}
@@ -170,6 +181,7 @@ def measure_limit(
             "model": folder,
             "device": device,
             "dtype": dtype,
+            "defaults": defaults,
             "warm_up": encode(warm_up),
             "sets": {label: encode(requests) for label, requests in sets.items()},
         }))  # fmt: skip
@@ -179,6 +191,7 @@ def measure_limit(
                 code = subprocess.run(
                     [sys.executable, "-c", CHILD, str(given), str(out)],
                     stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False,
+                    preexec_fn=preexec,
                 ).returncode  # fmt: skip
                 if code != 0:
                     error = f"exited with {code}"

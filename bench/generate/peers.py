@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,12 +72,13 @@ def vllm_launch(
     venv: Path,
     folder: str,
     *,
-    kv_cache_gib: float,
+    kv_cache_gib: float | None,
     max_num_seqs: int | None = None,
     all_cores: bool = False,
 ) -> Launch:
     """vLLM's defaults but for float32 (the weights every peer serves) and loopback; its CPU
-    build wants ``VLLM_CPU_KVCACHE_SPACE`` (GiB) set, or it asks for most of the host's RAM.
+    build wants ``VLLM_CPU_KVCACHE_SPACE`` (GiB) set, or it asks for most of the host's RAM
+    (``kv_cache_gib`` None: that default).
 
     ``all_cores``: its compute threads bound to every core this process may use, none kept
     for its scheduler. By default it keeps one core per worker for the scheduler, which on a
@@ -89,8 +90,9 @@ def vllm_launch(
     if max_num_seqs is not None:
         command += ["--max-num-seqs", str(max_num_seqs)]
         name = f"vllm max_num_seqs={max_num_seqs}"
-    env = {"VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+    if kv_cache_gib is not None:  # None: its own default
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
     if all_cores:
         cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
         env |= {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -128,10 +130,23 @@ def _stop(process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
         process.wait(10)
 
 
+def _preexec(then: Callable[[], None] | None) -> Callable[[], None] | None:
+    def run() -> None:
+        if sys.platform == "linux":
+            die_with_parent()
+        if then is not None:
+            then()
+
+    return run if then is not None or sys.platform == "linux" else None
+
+
 @contextlib.contextmanager
-def start_server(launch: Launch, log_dir: Path) -> Iterator[Server]:
+def start_server(
+    launch: Launch, log_dir: Path, *, preexec: Callable[[], None] | None = None
+) -> Iterator[Server]:
     """The server running and ready (its start-up time in ``start_s``); stopped at exit.
-    ``PeerError`` where it cannot start."""
+    ``PeerError`` where it cannot start. ``preexec`` runs in the child before it starts (to
+    join a cgroup)."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     slug = launch.name.replace(" ", "-").replace("=", "")
@@ -147,7 +162,7 @@ def start_server(launch: Launch, log_dir: Path) -> Iterator[Server]:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=_preexec(preexec),
             )
         except OSError as exc:
             raise PeerError(f"{launch.name} could not start: {exc}") from exc

@@ -1,0 +1,62 @@
+"""``batchfit bench --generate --memory-limit --quick`` end to end on a tiny random-weight
+causal LM: real replicas in real memory cgroups (a sibling taking 200 MiB of one halfway),
+transformers' continuous batching at its defaults beside them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from bench.cgroups import make_child_cgroup
+from models.loading import BUNDLED_MODEL, resolve_model_path
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+MiB = 2**20
+
+
+def test_the_memory_phase_reports_each_peer_under_the_limit(tmp_path):
+    try:
+        make_child_cgroup("probe").remove()
+    except OSError as exc:
+        pytest.skip(f"no memory cgroup to make: {exc}")
+    folder = tmp_path / "tiny-lm"
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(BUNDLED_MODEL))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=512, eos_token_id=tokenizer.sep_token_id,
+                         bos_token_id=tokenizer.cls_token_id,
+                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "batchfit", "bench", "--generate", "--memory-limit", "--quick",
+         "--peers", "batchfit,transformers", "--model", str(folder), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=800, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads((out / "memory.json").read_text())
+    runs = {(r["peer"], r["case"]): r for r in figures["runs"]}
+    cases = ("no limit", "limit", "limit + sibling")
+    assert set(runs) == {("batchfit", c) for c in cases} | {("transformers", c) for c in cases[1:]}
+    for case in cases:
+        run = runs["batchfit", case]
+        assert (run["finished"], run["failed"], run["killed"]) == (8, 0, 0), run
+        assert run["output_tokens_per_s"] > 0
+    for case in cases[1:]:
+        limit = runs["batchfit", case]["limit_bytes"]
+        assert 0 < runs["batchfit", case]["peak_bytes"] <= limit
+        # transformers runs at batchfit's limit (each start of batchfit measures its own);
+        # whatever befalls it is counted.
+        run = runs["transformers", case]
+        assert abs(run["limit_bytes"] - limit) < 64 * MiB and run["finished"] + run["failed"] == 8
+    # The sibling's 200 MiB show in the peak.
+    assert runs["batchfit", "limit + sibling"]["peak_bytes"] >= 200 * MiB
+    assert "| batchfit | limit + sibling |" in (out / "memory.md").read_text()
