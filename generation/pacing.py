@@ -71,6 +71,8 @@ class StepPacing:
             max_prefill_tokens=prefill,
             bytes_per_token=self._model.cache_bytes_per_token,
             bytes_per_row=self._model.step_bytes(0, 0, 1),
+            window_bytes_per_token=self._model.cache_window_bytes_per_token,
+            window_tokens=self._model.cache_window_tokens,
             cache_bytes=limit,
             now=now,
             priority_aging_s=config.priority_aging_s,

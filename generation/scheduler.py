@@ -31,6 +31,11 @@ class StepBudget:
     the step's activations); None: no memory bound."""
     bytes_per_row: int = 0
     """The activations a sequence adds to a step as it joins: its row of logits."""
+    window_bytes_per_token: int = 0
+    """The part of ``bytes_per_token`` (its sliding-window layers') a sequence holds ...
+    """
+    window_tokens: int = 0
+    """... for at most this many of its tokens (0: every token holds all of it)."""
     now: float = 0.0
     priority_aging_s: float = 0.0
     """A waiting sequence's priority rises by one every this many seconds (0: never)."""
@@ -73,11 +78,10 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
     now, aging = budget.now, budget.priority_aging_s
     order = lambda s: (-effective_priority(s, now, aging), s.arrival_s, s.seq_id)  # noqa: E731
     running = sorted(running, key=order)
-    per_token = budget.bytes_per_token
     limit = budget.cache_bytes
     preempt: list[Sequence] = []
     if limit is not None:
-        while len(running) > 1 and _held(running, per_token) > limit:
+        while len(running) > 1 and _held(running, budget) > limit:
             preempt.append(running.pop())
     decode = tuple(s for s in running if s.num_pending <= 1)
     tokens = len(decode)
@@ -88,12 +92,12 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
             count = min(seq.num_pending, prefill_left)
             prefill.append((seq, count))
             prefill_left -= count
-    used = _held(running, per_token)
+    used = _held(running, budget)
     slots = budget.max_running - len(running)
     for seq in sorted(waiting, key=order):
         if slots <= 0 or prefill_left <= 0:
             break
-        need = (seq.num_pending + min(GROWTH_TOKENS, max(seq.room, 0))) * per_token
+        need = _bytes(seq.num_pending + min(GROWTH_TOKENS, max(seq.room, 0)), budget)
         need += budget.bytes_per_row
         if limit is not None and used + need > limit and (running or prefill):
             break
@@ -105,9 +109,15 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
     return StepPlan(decode, tuple(prefill), tuple(preempt))
 
 
-def _held(running: Seq[Sequence], per_token: int) -> float:
+def _held(running: Seq[Sequence], budget: StepBudget) -> float:
     """What the running sequences hold after their next tokens, with room to grow."""
     return sum(
-        (s.num_cached + min(s.num_pending, GROWTH_TOKENS) + GROWTH_TOKENS) * per_token
+        _bytes(s.num_cached + min(s.num_pending, GROWTH_TOKENS) + GROWTH_TOKENS, budget)
         for s in running
     )
+
+
+def _bytes(num_tokens: int, budget: StepBudget) -> int:
+    """What a sequence of ``num_tokens`` holds (its sliding-window layers capped)."""
+    past_window = max(0, num_tokens - budget.window_tokens) if budget.window_tokens else 0
+    return num_tokens * budget.bytes_per_token - past_window * budget.window_bytes_per_token

@@ -98,7 +98,11 @@ class Generator(Protocol):
     info: ModelInfo
     defaults: GenerationDefaults
     cache_bytes_per_token: int
-    """Bytes of keys and values one token of one sequence holds in the store."""
+    """Bytes of keys and values one token of one sequence holds in the store ..."""
+    cache_window_bytes_per_token: int
+    """... of which its sliding-window layers' part ..."""
+    cache_window_tokens: int
+    """... is held for at most this many tokens of a sequence (0: for every token)."""
 
     def step(self, request: StepRequest) -> StepResult: ...
 

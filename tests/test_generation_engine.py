@@ -59,6 +59,8 @@ class ScriptedGenerator:
     step's chunks as ``(seq_id, start, tokens)``; fails steps as told."""
 
     cache_bytes_per_token = 10
+    cache_window_bytes_per_token = 0
+    cache_window_tokens = 0
 
     def __init__(self, *, oom_above: int | None = None, fail_steps: Sequence[int] = (),
                  eos_at: int | None = None) -> None:  # fmt: skip

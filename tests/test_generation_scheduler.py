@@ -122,3 +122,20 @@ def test_aging_lets_an_old_low_priority_sequence_join_before_newer_high_ones():
     new = seq(2, 10, priority=2, arrival=9.0)
     plan = schedule([], [new, old], budget(max_running=1, now=10.0, priority_aging_s=2.0))
     assert [s.seq_id for s, _ in plan.prefill] == [1]
+
+
+def test_sliding_window_layers_count_a_long_sequence_up_to_their_window_only():
+    """6 bytes a token, 5 of them in sliding-window layers held for 64 tokens at most: a
+    sequence of 1,000 tokens holds 1,000 + 5 x 64, not 6,000."""
+    running = [seq(1, 1000, cached=1000, output=1), seq(2, 1000, cached=1000, output=1)]
+    tokens = 1000 + 1 + GROWTH_TOKENS
+    each = tokens + 5 * 64
+    windowed = {"bytes_per_token": 6, "window_bytes_per_token": 5, "window_tokens": 64}
+    plan = schedule(running, [], budget(cache_bytes=2 * each, **windowed))
+    assert plan.preempt == () and len(plan.decode) == 2
+    plan = schedule(running, [], budget(cache_bytes=2 * each - 1, **windowed))
+    assert [s.seq_id for s in plan.preempt] == [2]
+    # Without the window, the same budget holds far less than one of them.
+    plan = schedule(running, [], budget(cache_bytes=2 * each, bytes_per_token=6))
+    assert [s.seq_id for s in plan.preempt] == [2]
+    assert 6 * tokens > 2 * each

@@ -90,6 +90,8 @@ class Activations:
     """A generator whose step activations are 1,000 bytes a token and 10 a sampled row."""
 
     cache_bytes_per_token = 100
+    cache_window_bytes_per_token = 0
+    cache_window_tokens = 0
 
     def step_bytes(self, num_tokens: int, attended: int, num_sampled: int) -> int:
         return 1000 * num_tokens + 10 * num_sampled

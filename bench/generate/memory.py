@@ -96,6 +96,8 @@ class MemoryRun:
     output_tokens_per_s: float = math.nan
     wall_s: float = 0.0
     error: str | None = None
+    errors: dict[str, int] = field(default_factory=dict)
+    """The failed streams' errors (status and the start of their message), counted."""
 
 
 @dataclass
@@ -199,6 +201,10 @@ class _Runs:
                             max_duration_s=options.max_run_s, drain_s=60,
                             timeout_s=options.max_run_s))  # fmt: skip
                     ok = [o for o in stream_run.outcomes if o.ok]
+                    for o in stream_run.outcomes:
+                        if not o.ok:
+                            why = f"{o.status} {'cut' if o.cut else (o.error or '')[:80]}"
+                            run.errors[why] = run.errors.get(why, 0) + 1
                     run.finished, run.failed = len(ok), len(self.requests) - len(ok)
                     run.wall_s = stream_run.wall_s
                     tokens = sum(o.completion_tokens for o in ok)
@@ -303,6 +309,12 @@ def render(result: MemoryResult, command: str) -> str:
     if errors:
         lines += ["", "Errors:", ""]
         lines += [f"- {r.peer}, {r.case}: {r.error.splitlines()[0][:300]}" for r in errors]
+    failed = [r for r in result.runs if r.errors]
+    if failed:
+        lines += ["", "Failed streams:", ""]
+        for r in failed:
+            lines.append(f"- {r.peer}, {r.case}: "
+                         + "; ".join(f"{n} x {why}" for why, n in r.errors.items()))  # fmt: skip
     lines += ["", *(f"- {line}" for line in ratio_lines(result))]
     return "\n".join(lines) + "\n"
 

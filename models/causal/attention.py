@@ -42,17 +42,20 @@ def attend(
     ``[1, T, heads, head_dim]`` as every attention implementation does."""
     step: StepCache = kwargs.pop("batchfit_step")
     layer = module.layer_idx
-    window = sliding_window or getattr(module, "sliding_window", None) or None
+    kind, slot = step.slots[layer]
+    # A layer the store keeps a window of reads that window (the module's own).
+    window = step.windows[layer] or sliding_window or getattr(module, "sliding_window", None)
     groups = getattr(module, "num_key_value_groups", 1)
     outputs = []
-    for index, ((first, end), start, buffer) in enumerate(
-        zip(step.spans, step.starts, step.buffers, strict=True)
+    for index, ((first, end), start, seq) in enumerate(
+        zip(step.spans, step.starts, step.seqs, strict=True)
     ):
         count = end - first
-        lowest, mask, causal = _reach(step, index, start, count, window, buffer.device)
+        lowest, mask, causal = _reach(step, index, start, count, window or None, query.device)
         stop = start + count
-        keys = buffer[layer, 0, :, lowest:stop].unsqueeze(0)
-        values = buffer[layer, 1, :, lowest:stop].unsqueeze(0)
+        buffer, base = seq.layer(kind)
+        keys = buffer[slot, 0, :, lowest - base : stop - base].unsqueeze(0)
+        values = buffer[slot, 1, :, lowest - base : stop - base].unsqueeze(0)
         outputs.append(_one(query[:, :, first:end], keys, values, mask, causal, scaling, groups))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), None

@@ -1,9 +1,16 @@
-"""The key/value store: one buffer per sequence, allocated as it grows and freed as it ends.
+"""The key/value store: buffers per sequence, allocated as it grows and freed as it ends.
 
-A sequence's buffer is ``[layers, 2, kv_heads, capacity, head_dim]``; attention reads a view
-of its first positions, with no gather and no copy per step. Growing copies the buffer into
-one half again as large (rounded up), so a sequence of ``n`` tokens is copied O(n) times in
-all; freeing drops it at once, so what the store holds follows the sequences that run.
+A sequence's full-attention layers share one buffer ``[layers, 2, kv_heads, capacity,
+head_dim]`` from position 0; attention reads a view of its first positions, with no gather
+and no copy per step. Growing copies the buffer into one half again as large (rounded up),
+so a sequence of ``n`` tokens is copied O(n) times in all; freeing drops it at once, so what
+the store holds follows the sequences that run.
+
+Sliding-window layers (Gemma 3's five in six) share a second buffer of the same layout that
+starts at position ``base``: a query sees only the last ``window`` keys, so once a sequence
+passes its window, what its earlier queries no longer need is dropped by moving the live
+positions to the front (once every ``WINDOW_SLACK`` tokens) and the buffer stays at
+``window_tokens`` positions, however long the sequence.
 """
 
 from __future__ import annotations
@@ -16,60 +23,146 @@ import torch
 GROWTH = 1.5
 ROUND_TO = 64
 """Capacities are whole multiples of this many tokens."""
+WINDOW_SLACK = 64
+"""Positions a sliding-window buffer holds past its window, so that its live positions are
+moved to the front once every this many tokens, not every token."""
+FULL, WINDOW = 0, 1
+
+
+def _rounded(tokens: int) -> int:
+    return -(-tokens // ROUND_TO) * ROUND_TO
+
+
+class SeqBuffers:
+    """One sequence's keys and values: ``full`` from position 0, ``window`` (sliding-window
+    layers) from position ``base``; either is None where the model has no such layers."""
+
+    __slots__ = ("base", "full", "window")
+
+    def __init__(self) -> None:
+        self.full: torch.Tensor | None = None
+        self.window: torch.Tensor | None = None
+        self.base = 0
+
+    def layer(self, kind: int) -> tuple[torch.Tensor, int]:
+        """The buffer of this kind of layer and the position its first slot holds."""
+        if kind == FULL:
+            assert self.full is not None
+            return self.full, 0
+        assert self.window is not None
+        return self.window, self.base
 
 
 class KVStore:
     def __init__(
         self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device, windows: Sequence[int | None] | None = None,
     ) -> None:  # fmt: skip
-        self._shape = (num_layers, 2, num_kv_heads)
-        self._head_dim = head_dim
+        """``windows``: each layer's sliding window (None: full attention; default: every
+        layer full)."""
+        self.windows = list(windows) if windows is not None else [None] * num_layers
+        full = [i for i, w in enumerate(self.windows) if w is None]
+        windowed = [i for i, w in enumerate(self.windows) if w is not None]
+        self.slots = [(FULL, full.index(i)) if w is None else (WINDOW, windowed.index(i))
+                      for i, w in enumerate(self.windows)]  # fmt: skip
+        """Each layer's kind and its index in that kind's buffer."""
+        self._counts = (len(full), len(windowed))
+        self._window = max((w for w in self.windows if w is not None), default=0)
+        self._head = (num_kv_heads, head_dim)
         self._dtype = dtype
         self._device = device
         element = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * element
-        self._buffers: dict[int, torch.Tensor] = {}
-        self._held_tokens = 0
+        layer_bytes = 2 * num_kv_heads * head_dim * element
+        self.bytes_per_token = num_layers * layer_bytes
+        """What one token of a sequence holds in every layer."""
+        self.window_bytes_per_token = len(windowed) * layer_bytes
+        """The part of it the sliding-window layers hold ..."""
+        self.window_tokens = _rounded(self._window + WINDOW_SLACK) if windowed else 0
+        """... for at most this many tokens of a sequence (a longer prefill chunk excepted)."""
+        self._layer_bytes = layer_bytes
+        self._seqs: dict[int, SeqBuffers] = {}
+        self.bytes_held = 0
 
-    @property
-    def bytes_held(self) -> int:
-        return self._held_tokens * self.bytes_per_token
+    def sequence_bytes(self, num_tokens: int) -> int:
+        """What a sequence of ``num_tokens`` holds once it decodes (capacity rounding aside)."""
+        past_window = max(0, num_tokens - self.window_tokens) if self.window_tokens else 0
+        return num_tokens * self.bytes_per_token - past_window * self.window_bytes_per_token
 
     def __len__(self) -> int:
-        return len(self._buffers)
+        return len(self._seqs)
 
-    def capacity(self, seq_id: int) -> int:
-        buffer = self._buffers.get(seq_id)
-        return 0 if buffer is None else buffer.shape[3]
+    def reserve(self, seq_id: int, length: int, *, keep: int) -> SeqBuffers:
+        """The buffers of ``seq_id`` with room for positions up to ``length``, the first
+        ``keep`` kept (what queries from ``keep`` on still see, in the sliding-window ones)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self._seqs[seq_id] = SeqBuffers()
+        if self._counts[FULL]:
+            seq.full = self._grown(seq.full, self._counts[FULL], length, keep, 0)
+        if self._counts[WINDOW]:
+            self._slide(seq, length, keep)
+        return seq
 
-    def reserve(self, seq_id: int, length: int, *, keep: int) -> torch.Tensor:
-        """The buffer of ``seq_id`` with room for ``length`` positions, its first ``keep``
-        kept (grown, or allocated for a new sequence)."""
-        buffer = self._buffers.get(seq_id)
+    def _grown(
+        self, buffer: torch.Tensor | None, layers: int, length: int, keep: int, wanted: int
+    ) -> torch.Tensor:
+        """``buffer`` with room for ``length`` slots, its first ``keep`` kept; grown one half
+        again at least (or to ``wanted`` where given)."""
         capacity = 0 if buffer is None else buffer.shape[3]
         if length <= capacity:
             assert buffer is not None
             return buffer
-        wanted = max(length, int(capacity * GROWTH))
-        wanted = -(-wanted // ROUND_TO) * ROUND_TO
-        grown = torch.empty(
-            (*self._shape, wanted, self._head_dim), dtype=self._dtype, device=self._device
-        )
+        size = _rounded(wanted or max(length, int(capacity * GROWTH)))
+        grown = self._new(layers, size)
         if buffer is not None and keep:
             grown[:, :, :, :keep] = buffer[:, :, :, :keep]
-        self._buffers[seq_id] = grown
-        self._held_tokens += wanted - capacity
+        self.bytes_held -= 0 if buffer is None else buffer.numel() * buffer.element_size()
         return grown
+
+    def _slide(self, seq: SeqBuffers, length: int, keep: int) -> None:
+        layers, cap = self._counts[WINDOW], self.window_tokens
+        buffer, base = seq.window, seq.base
+        if buffer is not None and keep < base:  # the sequence starts again: what it held goes
+            self.bytes_held -= buffer.numel() * buffer.element_size()
+            buffer, base = None, 0
+            seq.window, seq.base = None, 0
+        capacity = 0 if buffer is None else buffer.shape[3]
+        lowest = max(base, keep - self._window + 1)  # queries from ``keep`` on see no further
+        # Past a long chunk, back to the cap as soon as what is live fits it.
+        shrink = capacity > cap and lowest > base and length - lowest <= cap
+        if length - base <= capacity and not shrink:
+            return
+        if buffer is None or lowest == base:  # nothing to drop yet: grow, up to the cap
+            wanted = min(max(length - base, int(capacity * GROWTH)), max(length - base, cap))
+            seq.window = self._grown(buffer, layers, length - base, keep - base, wanted)
+            return
+        live = keep - lowest
+        if length - lowest <= capacity and capacity <= max(cap, _rounded(length - lowest)):
+            # Move the live positions to the front, in place.
+            buffer[:, :, :, :live] = buffer[:, :, :, lowest - base : keep - base].clone()
+        else:  # too small for a long chunk, or larger than the cap after one: a new one
+            fresh = self._new(layers, _rounded(max(length - lowest, cap)))
+            fresh[:, :, :, :live] = buffer[:, :, :, lowest - base : keep - base]
+            self.bytes_held -= buffer.numel() * buffer.element_size()
+            seq.window = fresh
+        seq.base = lowest
+
+    def _new(self, layers: int, size: int) -> torch.Tensor:
+        heads, dim = self._head
+        self.bytes_held += layers * size * self._layer_bytes
+        return torch.empty((layers, 2, heads, size, dim), dtype=self._dtype, device=self._device)
 
     def free(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
-            buffer = self._buffers.pop(seq_id, None)
-            if buffer is not None:
-                self._held_tokens -= buffer.shape[3]
+            seq = self._seqs.pop(seq_id, None)
+            if seq is None:
+                continue
+            for buffer in (seq.full, seq.window):
+                if buffer is not None:
+                    self.bytes_held -= buffer.numel() * buffer.element_size()
 
     def clear(self) -> None:
-        self.free(list(self._buffers))
+        self.free(list(self._seqs))
 
 
 class StepCache:
@@ -82,11 +175,13 @@ class StepCache:
 
     def __init__(
         self, spans: Sequence[tuple[int, int]], starts: Sequence[int],
-        buffers: Sequence[torch.Tensor],
+        seqs: Sequence[SeqBuffers], store: KVStore,
     ) -> None:  # fmt: skip
         self.spans = spans
         self.starts = starts
-        self.buffers = buffers
+        self.seqs = seqs
+        self.slots = store.slots
+        self.windows = store.windows
         self.masks: dict[tuple[int, int | None], tuple[int, torch.Tensor | None, bool]] = {}
         """What each sequence attends to, per window (None: every position): the first key
         position, the mask, and whether it is causal without one; shared by its layers."""
@@ -95,10 +190,12 @@ class StepCache:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
         kwargs: dict[str, Any] | None = None, **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        for (first, end), start, buffer in zip(self.spans, self.starts, self.buffers, strict=True):
+        kind, slot = self.slots[layer_idx]
+        for (first, end), start, seq in zip(self.spans, self.starts, self.seqs, strict=True):
+            buffer, base = seq.layer(kind)
             stop = start + end - first
-            buffer[layer_idx, 0, :, start:stop] = key_states[0, :, first:end]
-            buffer[layer_idx, 1, :, start:stop] = value_states[0, :, first:end]
+            buffer[slot, 0, :, start - base : stop - base] = key_states[0, :, first:end]
+            buffer[slot, 1, :, start - base : stop - base] = value_states[0, :, first:end]
         if kwargs is not None:
             kwargs["batchfit_step"] = self
         return key_states, value_states

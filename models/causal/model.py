@@ -12,7 +12,7 @@ from ..chat import PromptTokenizer
 from ..errors import translate_error
 from ..generative import GenerationDefaults, SamplingParams, StepRequest, StepResult
 from .attention import IMPLEMENTATION
-from .kv import KVStore, StepCache
+from .kv import KVStore, SeqBuffers, StepCache
 from .sampling import Sampler
 
 
@@ -44,8 +44,11 @@ class CausalLM:
             head_dim=shape.head_dim or shape.hidden_size // shape.num_heads,
             dtype=next(module.parameters()).dtype,
             device=device,
+            windows=layer_windows(module, int(config.num_hidden_layers)),
         )
         self.cache_bytes_per_token = self.store.bytes_per_token
+        self.cache_window_bytes_per_token = self.store.window_bytes_per_token
+        self.cache_window_tokens = self.store.window_tokens
         self._sampler = Sampler(device)
         self._vocab_size = int(config.vocab_size)
 
@@ -97,7 +100,7 @@ class CausalLM:
         positions: list[int] = []
         spans: list[tuple[int, int]] = []
         starts: list[int] = []
-        buffers: list[torch.Tensor] = []
+        seqs: list[SeqBuffers] = []
         rows: list[int] = []
         seq_ids: list[int] = []
         params: list[SamplingParams] = []
@@ -108,13 +111,13 @@ class CausalLM:
             positions.extend(range(chunk.start, chunk.start + count))
             spans.append((first, first + count))
             starts.append(chunk.start)
-            buffers.append(self.store.reserve(chunk.seq_id, chunk.start + count, keep=chunk.start))
+            seqs.append(self.store.reserve(chunk.seq_id, chunk.start + count, keep=chunk.start))
             if chunk.sampling is not None:
                 rows.append(first + count - 1)
                 seq_ids.append(chunk.seq_id)
                 params.append(chunk.sampling)
         device = self._device
-        cache = StepCache(spans, starts, buffers)
+        cache = StepCache(spans, starts, seqs, self.store)
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
         keep = torch.tensor(rows, dtype=torch.long, device=device)
@@ -130,3 +133,16 @@ class CausalLM:
         if not rows:
             return []
         return self._sampler.sample(logits, seq_ids, params)
+
+
+def layer_windows(module: torch.nn.Module, num_layers: int) -> list[int | None]:
+    """Each decoder layer's sliding window, as its attention module holds it (what the
+    attention function reads); None for full attention."""
+    windows: list[int | None] = [None] * num_layers
+    for sub in module.modules():
+        index = getattr(sub, "layer_idx", None)
+        window = getattr(sub, "sliding_window", None)
+        attention = hasattr(sub, "k_proj") and isinstance(index, int) and 0 <= index < num_layers
+        if attention and isinstance(window, int) and window > 0:
+            windows[index] = window
+    return windows
