@@ -11,11 +11,12 @@ unlimited run). Peers:
 - ``transformers``: its continuous batching in-process at its defaults (the cache sized from
   the host's RAM), in a cgroup at batchfit's limit (the same weights, loaded the same way);
 - ``vllm``: vLLM's CPU build at its defaults (``VLLM_CPU_KVCACHE_SPACE`` unset);
-- ``vllm-fitted``: vLLM with a cache chosen to fit (0.2 GiB, allocated before it is ready:
-  its loaded usage holds it, so it has the room besides).
+- ``vllm-fitted``: vLLM with a cache chosen to fit (``--kv-cache-memory-bytes`` 200 MiB,
+  allocated before it is ready: its loaded usage holds it, so it has the room besides).
 
 Each run reports finished, failed and killed (the cgroup's ``oom_kill`` events), its peak
-(the cgroup's, page cache included) and output tokens/s.
+(the cgroup's, page cache included) and output tokens/s. batchfit's requests get a deadline
+of 900 s (its default of 60 s would cut streams that wait for room; the others have none).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -45,6 +47,7 @@ MiB = 2**20
 GiB = 2**30
 MEMORY_PEERS = ("batchfit", "transformers", "vllm", "vllm-fitted")
 NO_LIMIT, LIMIT, SIBLING = "no limit", "limit", "limit + sibling"
+DEADLINE_FLAGS = ("--default-timeout-s", "900", "--max-timeout-s", "900")
 SIBLING_CODE = (
     # As a process that grows does: 8 MiB every 40 ms, then held until it is killed.
     "import sys, time\n"
@@ -65,7 +68,7 @@ class MemoryOptions:
     loose_gib: float = 8.0
     """The cgroup's limit while a server loads (vLLM at its defaults asks for most of the
     host's RAM: this keeps the host whole)."""
-    vllm_fitted_kv_gib: float = 0.2
+    vllm_fitted_kv_mib: int = 200
     max_run_s: float = 900.0
     model: str | None = None
     vllm_venv: Path = field(default_factory=vllm_env.default_venv)
@@ -128,15 +131,17 @@ def run_memory(
     )  # fmt: skip
     result = MemoryResult(options, started_at=time.strftime("%Y-%m-%d %H:%M:%S UTC"))
     runs = _Runs(options, requests, result, progress)
+    # Streams may wait minutes for room to start: no deadline cuts them (nor vLLM's).
+    batchfit = batchfit_launch(model, (*DEADLINE_FLAGS, *options.batchfit_flags))
     if "batchfit" in options.peers or "transformers" in options.peers:
-        runs.server("batchfit", batchfit_launch(model, options.batchfit_flags), NO_LIMIT)
+        runs.server("batchfit", batchfit, NO_LIMIT)
     for peer in options.peers:
         if peer == "transformers":
             for case in (LIMIT, SIBLING):
                 runs.in_process(folder, case)
             continue
         if peer == "batchfit":
-            launch = batchfit_launch(model, options.batchfit_flags)
+            launch = batchfit
         else:
             try:
                 venv = vllm_env.ensure(options.vllm_venv, log=progress)
@@ -145,8 +150,8 @@ def run_memory(
                     result.runs.append(MemoryRun(peer, case, len(requests),
                                                  error=f"its environment: {exc}"))  # fmt: skip
                 continue
-            kv = options.vllm_fitted_kv_gib if peer == "vllm-fitted" else None
-            launch = vllm_launch(venv, folder, kv_cache_gib=kv)
+            fitted = int(options.vllm_fitted_kv_mib * MiB) if peer == "vllm-fitted" else None
+            launch = vllm_launch(venv, folder, kv_cache_gib=None, kv_cache_bytes=fitted)
         for case in (LIMIT, SIBLING):
             if not runs.server(peer, launch, case):
                 break  # it could not start: the sibling changes nothing
@@ -213,7 +218,8 @@ class _Runs:
                     if server.process.poll() is not None:
                         run.error = f"exited with {server.process.returncode}"
             except PeerError as exc:
-                run.failed, run.error = len(self.requests), f"did not start: {exc}"
+                why = _first_error(options.log_dir, launch.name) or str(exc)
+                run.failed, run.error = len(self.requests), f"did not start: {why}"
             run.killed = cgroup.oom_kills() - kills
         if peer == "batchfit" and case == NO_LIMIT and run.wall_s:
             self.sibling_after_s = run.wall_s / 2
@@ -274,6 +280,25 @@ class _Runs:
             for process in processes:
                 process.kill()
                 process.wait()
+
+
+ERROR_LINE = re.compile(r"\b(\w+Error): (.+)")
+NOT_A_CAUSE = ("Engine core initialization failed", "Too many open files", "validation error")
+
+
+def _first_error(log_dir: Path, name: str) -> str | None:
+    """The error a server that did not start names as its cause, from its newest log."""
+    logs = sorted(log_dir.glob(f"{name.replace(' ', '-')}-*.log"), key=lambda p: p.stat().st_mtime)
+    if not logs:
+        return None
+    lines = logs[-1].read_text(errors="replace").splitlines()
+    for number, line in enumerate(lines):
+        found = ERROR_LINE.search(line)
+        if found and not any(text in line for text in NOT_A_CAUSE):
+            return f"{found.group(1)}: {found.group(2)}"[:400]
+        if found and "validation error" in line and number + 1 < len(lines):
+            return f"{found.group(1)}: {lines[number + 1].strip()}"[:400]
+    return None
 
 
 @contextlib.contextmanager

@@ -75,10 +75,11 @@ def vllm_launch(
     kv_cache_gib: float | None,
     max_num_seqs: int | None = None,
     all_cores: bool = False,
+    kv_cache_bytes: int | None = None,
 ) -> Launch:
     """vLLM's defaults but for float32 (the weights every peer serves) and loopback; its CPU
     build wants ``VLLM_CPU_KVCACHE_SPACE`` (GiB) set, or it asks for most of the host's RAM
-    (``kv_cache_gib`` None: that default).
+    (``kv_cache_gib`` None: that default; ``kv_cache_bytes``: a cache of that size).
 
     ``all_cores``: its compute threads bound to every core this process may use, none kept
     for its scheduler. By default it keeps one core per worker for the scheduler, which on a
@@ -87,6 +88,8 @@ def vllm_launch(
                "--model", folder, "--host", "127.0.0.1", "--port", "{port}",
                "--dtype", VLLM_DTYPE]  # fmt: skip
     name = "vllm"
+    if kv_cache_bytes is not None:  # finer than VLLM_CPU_KVCACHE_SPACE's whole GiB
+        command += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if max_num_seqs is not None:
         command += ["--max-num-seqs", str(max_num_seqs)]
         name = f"vllm max_num_seqs={max_num_seqs}"
