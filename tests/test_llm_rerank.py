@@ -1,0 +1,186 @@
+"""LLM rerankers in-process: a tiny random Qwen3ForCausalLM in Qwen3-Reranker's layout scores
+pairs as the model card computes them with transformers (``tests/families.py``), batched or
+alone, with either padding side; its inputs are the card's token ids; the folder's name or
+the task makes a causal LM a reranker; what it cannot do is refused clearly."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from models import InputTooLong, ModelLoadError, ModelSpec, load_model
+from models.llm_rerank import QWEN3_RERANKER, LLMReranker, YesNoHead, names_a_reranker
+from models.llm_rerank.model import load_llm_reranker
+from models.loading import detect_task
+from server.errors import ApiError
+from server.runtime.slot import prepare_call
+from tests.families import (
+    QUERY,
+    TEXTS,
+    build_qwen3_reranker,
+    quiet,
+    qwen3_reranker_inputs,
+    qwen3_reranker_scores,
+)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llm-rerank") / "Qwen3-Reranker-tiny"
+    with quiet():
+        build_qwen3_reranker(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reranker(folder):
+    model = load_model(ModelSpec(model=str(folder), device="cpu", dtype="float32"))
+    assert isinstance(model, LLMReranker)
+    return model
+
+
+def scores(model, documents, **options):
+    return np.array(model.forward(model.prepare_pairs(QUERY, documents, **options)))
+
+
+def test_scores_equal_the_model_cards_batched_and_alone(reranker, folder):
+    batched = scores(reranker, TEXTS)
+    alone = np.array([scores(reranker, [text])[0] for text in TEXTS])
+    card_batch = qwen3_reranker_scores(folder, QUERY, TEXTS)
+    card_alone = qwen3_reranker_scores(folder, QUERY, TEXTS, batch_size=1)
+    # Random weights drawn wide: the scores spread, so a wrong token or position shows.
+    assert batched.max() - batched.min() > 0.3, batched
+    np.testing.assert_allclose(batched, card_batch, atol=1e-5)
+    np.testing.assert_allclose(batched, card_alone, atol=1e-5)
+    np.testing.assert_allclose(alone, card_alone, atol=1e-5)
+
+
+def test_pairs_are_the_model_cards_token_ids(reranker, folder):
+    with quiet():
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    items = reranker.prepare_pairs(QUERY, TEXTS)
+    expected = qwen3_reranker_inputs(tokenizer, QUERY, TEXTS)
+    assert [item.data.ids for item in items] == expected
+    assert [item.cost for item in items] == [len(ids) for ids in expected]
+    # The two long texts are cut to the model's 128 positions, the prompt's end kept.
+    assert max(item.cost for item in items) == reranker.info.max_input_tokens == 128
+    suffix = tokenizer.encode(QWEN3_RERANKER.suffix, add_special_tokens=False)
+    assert items[-1].data.ids[-len(suffix) :] == suffix
+
+
+def test_a_prompt_is_the_instruction(reranker, folder):
+    instruction = "Find passages about cats"
+    ours = scores(reranker, TEXTS[:6], prompt=instruction)
+    card = qwen3_reranker_scores(folder, QUERY, TEXTS[:6], instruction=instruction)
+    np.testing.assert_allclose(ours, card, atol=1e-5)
+    assert np.abs(ours - scores(reranker, TEXTS[:6])).max() > 1e-3
+
+
+def test_a_lower_max_input_tokens_cuts_as_the_card_does(folder):
+    model = load_model(
+        ModelSpec(model=str(folder), device="cpu", dtype="float32", max_input_tokens=110)
+    )
+    with quiet():
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    items = model.prepare_pairs(QUERY, TEXTS)
+    assert [item.data.ids for item in items] == qwen3_reranker_inputs(
+        tokenizer, QUERY, TEXTS, max_length=110
+    )
+    np.testing.assert_allclose(
+        scores(model, TEXTS), qwen3_reranker_scores(folder, QUERY, TEXTS, max_length=110),
+        atol=1e-5,
+    )  # fmt: skip
+    with pytest.raises(InputTooLong, match="more than the model's maximum of 110"):
+        model.prepare_pairs(QUERY, TEXTS, truncate=False)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_the_head_reads_each_rows_last_real_token_on_either_padding_side(folder, side):
+    with quiet():
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), padding_side=side)
+        causal = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    head = YesNoHead.from_causal_lm(
+        causal, tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes")
+    )
+    ids = qwen3_reranker_inputs(tokenizer, QUERY, TEXTS)
+    with quiet():
+        batch = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
+    assert (batch["attention_mask"] == 0).any()  # really padded
+    with torch.inference_mode():
+        padded = torch.sigmoid(head(**batch).logits[:, 0]).numpy()
+    card_alone = qwen3_reranker_scores(folder, QUERY, TEXTS, batch_size=1)
+    np.testing.assert_allclose(padded, card_alone, atol=1e-5)
+
+
+def test_the_model_card_says_a_decoder_scored_through_sigmoid(reranker):
+    info = reranker.info
+    assert (info.task, info.activation, info.shape.architecture) == ("rerank", "sigmoid", "decoder")
+    assert info.output_dim is None
+
+
+@pytest.mark.parametrize(
+    ("model_type", "source", "expected"),
+    [
+        ("qwen3", "Qwen/Qwen3-Reranker-0.6B", True),
+        ("qwen3", "/models/qwen3-reranker-4b/", True),
+        ("qwen3", "Qwen/Qwen3-0.6B", False),
+        ("qwen3", "/models/rerankers/qwen3-chat", False),  # only the last part counts
+        ("llama", "/models/llama-reranker", False),  # another prompt: told, not guessed
+        (None, "Qwen3-Reranker-0.6B", False),
+    ],
+)
+def test_which_names_make_a_reranker(model_type, source, expected):
+    assert names_a_reranker(model_type, source) is expected
+
+
+def test_the_task_is_read_from_the_name_or_given(folder):
+    config = AutoConfig.from_pretrained(str(folder))
+    assert detect_task(config, "auto", folder, source=str(folder)) == "rerank"
+    assert detect_task(config, "auto", folder, source="/models/qwen3-chat") == "generate"
+    assert detect_task(config, "rerank", folder, source="/models/qwen3-chat") == "rerank"
+
+
+def test_a_causal_lm_told_to_rerank_is_an_llm_reranker(folder, reranker, tmp_path):
+    plain = shutil.copytree(folder, tmp_path / "tiny-qwen3")
+    model = load_model(ModelSpec(model=str(plain), task="rerank", device="cpu", dtype="float32"))
+    assert isinstance(model, LLMReranker)
+    np.testing.assert_allclose(scores(model, TEXTS[:4]), scores(reranker, TEXTS[:4]), atol=0)
+
+
+def test_a_vocabulary_without_the_answer_tokens_is_refused(folder):
+    config = AutoConfig.from_pretrained(str(folder))
+    template = replace(QWEN3_RERANKER, true_token="oui")
+    with pytest.raises(ModelLoadError, match="has no 'oui' token to score with"):
+        load_llm_reranker(
+            str(folder), config, ModelSpec(model=str(folder)), name="tiny",
+            dtype=torch.float32, device=torch.device("cpu"), template=template,
+        )  # fmt: skip
+
+
+def test_a_context_too_short_for_the_prompt_is_refused(folder):
+    with pytest.raises(ModelLoadError, match="leaving no room for a query and a document"):
+        load_model(ModelSpec(model=str(folder), device="cpu", max_input_tokens=40))
+
+
+def test_the_preparer_pickles_and_tokenizes_alike(reranker):
+    preparer = pickle.loads(pickle.dumps(reranker.preparer()))
+    ours = reranker.prepare_pairs(QUERY, TEXTS, prompt="Find code")
+    theirs = preparer.prepare_pairs(QUERY, TEXTS, prompt="Find code")
+    assert [item.data.ids for item in theirs] == [item.data.ids for item in ours]
+
+
+@pytest.mark.parametrize("owner", ["model", "preparer"])
+def test_a_chosen_truncation_side_is_refused_with_400(reranker, owner):
+    target = reranker if owner == "model" else reranker.preparer()
+    with pytest.raises(ApiError) as raised:
+        prepare_call(
+            target, TEXTS, name="rr", truncate=True, query=QUERY, prompt=None,
+            truncation_direction="left",
+        )  # fmt: skip
+    assert (raised.value.status, raised.value.error_type) == (400, "unsupported_parameter")
