@@ -184,3 +184,13 @@ def test_a_chosen_truncation_side_is_refused_with_400(reranker, owner):
             truncation_direction="left",
         )  # fmt: skip
     assert (raised.value.status, raised.value.error_type) == (400, "unsupported_parameter")
+
+
+def test_sentence_transformers_layout_of_an_llm_reranker_is_refused(folder, tmp_path):
+    from sentence_transformers import CrossEncoder
+
+    out = tmp_path / "st-Qwen3-Reranker"
+    with quiet():
+        CrossEncoder(str(folder), device="cpu").save(str(out))  # Transformer + LogitScore
+    with pytest.raises(ModelLoadError, match="LogitScore', which Batchfit cannot run"):
+        load_model(ModelSpec(model=str(out), device="cpu"))
