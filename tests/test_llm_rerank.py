@@ -12,7 +12,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma2Config,
+    GraniteConfig,
+)
 
 from models import InputTooLong, ModelLoadError, ModelSpec, load_model
 from models.llm_rerank import QWEN3_RERANKER, LLMReranker, YesNoHead, names_a_reranker
@@ -27,6 +33,7 @@ from tests.families import (
     quiet,
     qwen3_reranker_inputs,
     qwen3_reranker_scores,
+    qwen3_reranker_tokenizer,
 )
 
 
@@ -105,10 +112,11 @@ def test_the_head_reads_each_rows_last_real_token_on_either_padding_side(folder,
     with quiet():
         tokenizer = AutoTokenizer.from_pretrained(str(folder), padding_side=side)
         causal = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    head = YesNoHead.from_causal_lm(
-        causal, tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes")
-    )
     ids = qwen3_reranker_inputs(tokenizer, QUERY, TEXTS)
+    head = YesNoHead.from_causal_lm(
+        causal, tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes"),
+        probe_ids=ids[0], name="tiny",
+    )  # fmt: skip
     with quiet():
         batch = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
     assert (batch["attention_mask"] == 0).any()  # really padded
@@ -194,3 +202,39 @@ def test_sentence_transformers_layout_of_an_llm_reranker_is_refused(folder, tmp_
         CrossEncoder(str(folder), device="cpu").save(str(out))  # Transformer + LogitScore
     with pytest.raises(ModelLoadError, match="LogitScore', which Batchfit cannot run"):
         load_model(ModelSpec(model=str(out), device="cpu"))
+
+
+def tiny_causal_lm(folder, config_class, architecture, **options):
+    """Another family's causal LM with the reranker's tokenizer (it has "yes" and "no")."""
+    folder.mkdir(parents=True)
+    with quiet():
+        ids = qwen3_reranker_tokenizer(folder)
+        torch.manual_seed(23)
+        config = config_class(
+            vocab_size=ids["vocab_size"], hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, initializer_range=0.2,
+            pad_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+            bos_token_id=ids["<|im_start|>"], architectures=[architecture], **options,
+        )  # fmt: skip
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def test_a_final_soft_cap_is_applied_as_the_causal_lm_applies_it(tmp_path):
+    # Gemma 2 caps its logits with tanh; a cap this low changes every score.
+    folder = tiny_causal_lm(
+        tmp_path / "gemma2", Gemma2Config, "Gemma2ForCausalLM", head_dim=8,
+        final_logit_softcapping=0.5,
+    )  # fmt: skip
+    model = load_model(ModelSpec(model=str(folder), task="rerank", device="cpu", dtype="float32"))
+    card = qwen3_reranker_scores(folder, QUERY, TEXTS, batch_size=1)
+    np.testing.assert_allclose(scores(model, TEXTS), card, atol=1e-5)
+
+
+def test_a_head_that_does_more_than_its_rows_is_refused(tmp_path):
+    # Granite divides its logits by logits_scaling after the head.
+    folder = tiny_causal_lm(tmp_path / "granite", GraniteConfig, "GraniteForCausalLM",
+                            logits_scaling=4.0)  # fmt: skip
+    with pytest.raises(ModelLoadError, match="logits are not its head's rows applied"):
+        load_model(ModelSpec(model=str(folder), task="rerank", device="cpu", dtype="float32"))

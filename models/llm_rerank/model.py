@@ -31,28 +31,52 @@ class YesNoHead(torch.nn.Module):
     ("no", "yes") taken at "yes", the model card's score.
 
     Only the two rows of the language-model head are kept (in float32): the full head would
-    compute a vocabulary of logits at every position of every row."""
+    compute a vocabulary of logits at every position of every row. A final soft cap (Gemma 2
+    and 3) is applied as the causal LM applies it; ``from_causal_lm`` checks the two logits
+    against the causal LM's own on a probe, so a head that does more is refused, not guessed."""
 
     def __init__(
-        self, decoder: torch.nn.Module, rows: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> None:
+        self, decoder: torch.nn.Module, rows: torch.Tensor, bias: torch.Tensor | None = None,
+        *, softcap: float | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.decoder = decoder
         # What the sizer reads (its attention implementation) is the decoder's config.
         self.config = decoder.config
+        self.softcap = softcap
         self.register_buffer("rows", rows.detach().float().clone())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @classmethod
-    def from_causal_lm(cls, causal: Any, false_id: int, true_id: int) -> YesNoHead:
+    def from_causal_lm(
+        cls, causal: Any, false_id: int, true_id: int, *, probe_ids: Sequence[int], name: str
+    ) -> YesNoHead:
+        """The decoder and the two rows of ``causal``'s head, checked on ``probe_ids``."""
         head = causal.get_output_embeddings()
         ids = torch.tensor([false_id, true_id], device=head.weight.device)
         bias = getattr(head, "bias", None)
-        return cls(causal.base_model, head.weight[ids], None if bias is None else bias[ids])
+        softcap = getattr(causal.config, "final_logit_softcapping", None)
+        module = cls(
+            causal.base_model, head.weight[ids], None if bias is None else bias[ids],
+            softcap=float(softcap) if softcap else None,
+        ).eval()  # fmt: skip
+        with torch.inference_mode():
+            probe = torch.tensor([list(probe_ids)], device=head.weight.device)
+            mask = torch.ones_like(probe)
+            expected = causal(input_ids=probe, attention_mask=mask, use_cache=False).logits
+            expected = expected[0, -1, ids].float()
+            found = module.answer_logits(probe, mask)[0]
+        # Loose enough for half precision, where the head is computed in float32 here.
+        if not torch.allclose(found, expected, rtol=1e-2, atol=1e-2 * (1 + expected.abs().max())):
+            raise ModelLoadError(
+                f"model {name!r}: its causal LM's logits are not its head's rows applied to its "
+                f"last hidden state ({expected.tolist()} against {found.tolist()} for 'no' and "
+                "'yes'), so Batchfit cannot score it as an LLM reranker"
+            )
+        return module
 
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> SequenceClassifierOutput:
+    def answer_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The ("no", "yes") logits at each row's last real token, in float32."""
         hidden = self.decoder(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
@@ -62,6 +86,14 @@ class YesNoHead(torch.nn.Module):
         logits = states @ self.rows.T
         if self.bias is not None:
             logits = logits + self.bias
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> SequenceClassifierOutput:
+        logits = self.answer_logits(input_ids, attention_mask)
         return SequenceClassifierOutput(logits=(logits[:, 1] - logits[:, 0]).unsqueeze(1))
 
 
@@ -116,11 +148,12 @@ def load_llm_reranker(
             f"model {spec.model!r} is read as an LLM reranker, but its vocabulary has no "
             f"{' or '.join(map(repr, missing))} token to score with"
         )
+    causal.eval().to(device)
     module: torch.nn.Module = YesNoHead.from_causal_lm(
-        causal, answer_ids[template.false_token], answer_ids[template.true_token]
-    )
+        causal, answer_ids[template.false_token], answer_ids[template.true_token],
+        probe_ids=backend.encode(template.suffix, add_special_tokens=False).ids, name=name,
+    )  # fmt: skip
     del causal  # an untied language-model head goes with it
-    module.eval().to(device)
     if spec.quantize == "int8":
         module = quantize_int8(module)
     model_limit = model_max_tokens(config, tokenizer.model_max_length, description.max_seq_length)
