@@ -5,6 +5,7 @@ the task makes a causal LM a reranker; what it cannot do is refused clearly."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from dataclasses import replace
@@ -20,7 +21,7 @@ from transformers import (
     GraniteConfig,
 )
 
-from models import InputTooLong, ModelLoadError, ModelSpec, load_model
+from models import InputTooLong, ModelLoadError, ModelSpec, load_model, resolve_prompt
 from models.llm_rerank import QWEN3_RERANKER, LLMReranker, YesNoHead, names_a_reranker
 from models.llm_rerank.model import load_llm_reranker
 from models.loading import detect_task
@@ -238,3 +239,19 @@ def test_a_head_that_does_more_than_its_rows_is_refused(tmp_path):
                             logits_scaling=4.0)  # fmt: skip
     with pytest.raises(ModelLoadError, match="logits are not its head's rows applied"):
         load_model(ModelSpec(model=str(folder), task="rerank", device="cpu", dtype="float32"))
+
+
+def test_the_models_default_prompt_is_its_instruction(folder, reranker, tmp_path):
+    instruction = "Find code that answers the query"
+    configured = shutil.copytree(folder, tmp_path / "Qwen3-Reranker-code")
+    settings = {"prompts": {"code": instruction}, "default_prompt_name": "code"}
+    (configured / "config_sentence_transformers.json").write_text(json.dumps(settings))
+    model = load_model(ModelSpec(model=str(configured), device="cpu", dtype="float32"))
+    assert model.info.default_prompt_name == "code"
+    # As a request's tokenization gets it: the model's default prompt, resolved by name.
+    prompt = resolve_prompt(model.info, None, None, name="rr")
+    items = prepare_call(model, TEXTS[:4], name="rr", truncate=True, query=QUERY, prompt=prompt)()
+    expected = reranker.prepare_pairs(QUERY, TEXTS[:4], prompt=instruction)
+    assert [item.data.ids for item in items] == [item.data.ids for item in expected]
+    card = qwen3_reranker_scores(folder, QUERY, TEXTS[:4], instruction=instruction)
+    np.testing.assert_allclose(model.forward(items), card, atol=1e-5)
