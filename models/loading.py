@@ -21,6 +21,7 @@ from .custom import is_entry_point, load_entry_point
 from .description import ModelDescription, convert_hint, describe, step_name
 from .errors import ModelLoadError
 from .gguf import converted_folder, is_gguf
+from .llm_rerank import names_a_reranker
 from .postprocess import make_postprocess
 from .quantization import check_quantize, module_bytes, quantize_int8
 from .spec import BUNDLED_MODEL, DTYPE_NAMES, DTYPES, TASKS, ModelSpec, cpu_threads
@@ -123,10 +124,13 @@ def model_name(model: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def detect_task(config: PretrainedConfig, task: str, folder: Path | None = None) -> str:
+def detect_task(
+    config: PretrainedConfig, task: str, folder: Path | None = None, *, source: str | None = None
+) -> str:
     """``task``, or for ``auto`` what the folder is: a sequence classifier classifies (a
-    one-label one reranks), a causal LM without a sentence-transformers layout generates,
-    anything else embeds."""
+    one-label one reranks), a Qwen3 causal LM whose folder or hub name (``source``) says
+    ``reranker`` reranks (Qwen3-Reranker), another causal LM without a sentence-transformers
+    layout generates, anything else embeds."""
     if task not in TASKS:
         raise ModelLoadError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
     if task != "auto":
@@ -135,10 +139,18 @@ def detect_task(config: PretrainedConfig, task: str, folder: Path | None = None)
     if any(name.endswith("ForSequenceClassification") for name in architectures):
         # A cross-encoder is a sequence classifier with one output: a relevance logit.
         return "rerank" if int(getattr(config, "num_labels", 2)) == 1 else "classify"
-    causal = any(name.endswith("ForCausalLM") for name in architectures)
+    causal = is_causal_lm(config)
+    if causal and names_a_reranker(getattr(config, "model_type", None), source or ""):
+        return "rerank"
     if causal and (folder is None or not (folder / "modules.json").is_file()):
         return "generate"
     return "embed"
+
+
+def is_causal_lm(config: PretrainedConfig) -> bool:
+    """Whether the folder's weights are a causal LM's (``*ForCausalLM``): a generator, or with
+    task ``rerank`` an LLM reranker."""
+    return any(name.endswith("ForCausalLM") for name in config.architectures or [])
 
 
 def architecture_shape(
@@ -242,7 +254,7 @@ def load_model(spec: ModelSpec) -> Model:
     name = model_name(spec.model)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        task = detect_task(config, spec.task, Path(path))
+        task = detect_task(config, spec.task, Path(path), source=spec.model)
         if task == "generate":
             from .causal import load_generator
 
@@ -250,6 +262,10 @@ def load_model(spec: ModelSpec) -> Model:
                 path, config, name=name, dtype=dtype, device=device,
                 max_context_tokens=spec.max_input_tokens, chat_template=spec.chat_template,
             )  # fmt: skip
+        if task == "rerank" and is_causal_lm(config):
+            from .llm_rerank import load_llm_reranker
+
+            return load_llm_reranker(path, config, spec, name=name, dtype=dtype, device=device)
         description = describe(
             Path(path), config, task, name=name, default_prompt_name=spec.default_prompt_name
         )

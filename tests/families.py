@@ -29,6 +29,7 @@ from tokenizers import (
 )
 from transformers import (
     AutoModel,
+    AutoModelForCausalLM,
     AutoTokenizer,
     BertConfig,
     BertForSequenceClassification,
@@ -64,6 +65,12 @@ TEXTS = [
 QUERY = "what does the cat sit on?"
 INSTRUCTION = "Instruct: Given a web search query, retrieve relevant passages\nQuery: "
 LABELS = {0: "toxic", 1: "insult", 2: "threat"}
+# Qwen3-Reranker's prompt, as its model card writes it.
+RERANKER_SYSTEM = (
+    "Judge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".'
+)
+RERANKER_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,7 @@ class Family:
 
     name: str
     like: str
-    kind: str  # embed, rerank or classify
+    kind: str  # embed, rerank (a cross-encoder), llm-rerank (a causal LM) or classify
     build: Callable[..., None]
     """``build(folder)``; ``build(folder, True)``: the family at MiniLM's width."""
     requests: tuple[dict[str, Any], ...] = ({},)
@@ -172,6 +179,30 @@ def qwen3_tokenizer(
         pad_token="<|endoftext|>", unk_token=None, padding_side=padding_side,
     )  # fmt: skip
     return tokenizer.get_vocab_size(), eos
+
+
+def qwen3_reranker_tokenizer(folder: Path, max_tokens: int = MAX_TOKENS) -> dict[str, int]:
+    """Byte-level BPE with Qwen3-Reranker's chat tokens (<|im_start|>, <|im_end|>, and
+    <think> </think> as added tokens), adding no special tokens, whose vocabulary has the
+    "yes" and "no" tokens its score reads; returns its ids."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [*TEXTS, QUERY, RERANKER_SYSTEM, RERANKER_INSTRUCTION, "yes no yes no"]
+    tokenizer.train_from_iterator(corpus * 3, trainers.BpeTrainer(
+        vocab_size=700, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    ))  # fmt: skip
+    tokenizer.add_tokens(["<think>", "</think>"])
+    ids = {token: tokenizer.token_to_id(token) for token in (*specials, "yes", "no")}
+    assert None not in ids.values(), ids
+    _save_tokenizer(
+        tokenizer, folder, "Qwen2Tokenizer", max_tokens, eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", unk_token=None,
+    )  # fmt: skip
+    return ids | {"vocab_size": tokenizer.get_vocab_size()}
 
 
 # --- models ------------------------------------------------------------------------------
@@ -312,6 +343,25 @@ def build_qwen3(out: Path, wide: bool = False) -> None:
     )
 
 
+def build_qwen3_reranker(out: Path, wide: bool = False) -> None:
+    """Qwen3-Reranker's layout: a Qwen3ForCausalLM (tied embeddings, as the 0.6B model) with
+    its tokenizer and no sentence-transformers files; the folder's name says reranker. Its
+    weights are drawn wide enough that the scores spread well away from 0.5."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = WIDE_TOKENS if wide else MAX_TOKENS
+    ids = qwen3_reranker_tokenizer(out, tokens)
+    torch.manual_seed(22)
+    config = Qwen3Config(
+        vocab_size=ids["vocab_size"], hidden_size=384 if wide else 32,
+        intermediate_size=1024 if wide else 64, num_hidden_layers=2,
+        num_attention_heads=8 if wide else 4, num_key_value_heads=2,
+        head_dim=48 if wide else 8, max_position_embeddings=tokens,
+        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=True, initializer_range=0.2, architectures=["Qwen3ForCausalLM"],
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(out, safe_serialization=True)
+
+
 def build_ce_identity(out: Path, wide: bool = False) -> None:
     """A cross-encoder whose config.json names the Identity activation with the key
     sentence-transformers before 4.0 wrote (as the ms-marco cross-encoders do)."""
@@ -397,6 +447,12 @@ FAMILIES = (
             {"prompt_name": "query", "truncation_direction": "left"},
         ),
         padding_sides=("left", "right"),
+    ),
+    Family(
+        "qwen3-reranker",
+        "Qwen3-Reranker (a causal LM's yes/no logits)",
+        "llm-rerank",
+        build_qwen3_reranker,
     ),
     Family("ce-identity", "ms-marco cross-encoders (Identity)", "rerank", build_ce_identity),
     Family("ce-sigmoid", "cross-encoders naming Sigmoid", "rerank", build_ce_sigmoid),
@@ -489,6 +545,68 @@ def _reference_embeddings(
         )  # fmt: skip
 
 
+def qwen3_reranker_inputs(
+    tokenizer: Any, query: str, documents: list[str], *, instruction: str | None = None,
+    max_length: int = MAX_TOKENS,
+) -> list[list[int]]:  # fmt: skip
+    """Each pair's token ids as Qwen3-Reranker's model card builds them (``process_inputs``):
+    the formatted pair, truncated to what the prefix and suffix leave, between the two."""
+    prefix = f"<|im_start|>system\n{RERANKER_SYSTEM}<|im_end|>\n<|im_start|>user\n"
+    suffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    prefix_tokens = tokenizer.encode(prefix, add_special_tokens=False)
+    suffix_tokens = tokenizer.encode(suffix, add_special_tokens=False)
+    instruction = instruction or RERANKER_INSTRUCTION
+    pairs = [f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
+             for doc in documents]  # fmt: skip
+    inputs = tokenizer(
+        pairs, padding=False, truncation="longest_first", return_attention_mask=False,
+        max_length=max_length - len(prefix_tokens) - len(suffix_tokens),
+    )  # fmt: skip
+    return [prefix_tokens + ids + suffix_tokens for ids in inputs["input_ids"]]
+
+
+def qwen3_reranker_scores(
+    folder: Path, query: str, documents: list[str], *, instruction: str | None = None,
+    max_length: int = MAX_TOKENS, batch_size: int | None = None,
+) -> np.ndarray:  # fmt: skip
+    """P("yes") per document as Qwen3-Reranker's model card computes it with transformers:
+    batches padded on the left, the logits of "no" and "yes" at the last position, their
+    softmax's "yes". ``batch_size=1``: one pair at a time, without padding."""
+    with quiet():
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), padding_side="left")
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    token_false_id = tokenizer.convert_tokens_to_ids("no")
+    token_true_id = tokenizer.convert_tokens_to_ids("yes")
+    ids = qwen3_reranker_inputs(
+        tokenizer, query, documents, instruction=instruction, max_length=max_length
+    )
+    scores: list[float] = []
+    size = batch_size or len(ids)
+    for start in range(0, len(ids), size):
+        with quiet(), torch.no_grad():  # the card's max_length, ignored here, is warned about
+            inputs = tokenizer.pad(
+                {"input_ids": ids[start : start + size]}, padding=True, return_tensors="pt",
+                max_length=max_length,
+            )  # fmt: skip
+            batch_scores = model(**inputs).logits[:, -1, :]
+        true_vector = batch_scores[:, token_true_id]
+        false_vector = batch_scores[:, token_false_id]
+        batch_scores = torch.stack([false_vector, true_vector], dim=1)
+        batch_scores = torch.nn.functional.log_softmax(batch_scores, dim=1)
+        scores += batch_scores[:, 1].exp().tolist()
+    return np.array(scores)
+
+
+def _rerank_scores(client: httpx.Client, model: str, documents: list[str]) -> np.ndarray:
+    results = _post(client, "/v1/rerank", {"model": model, "query": QUERY, "documents": documents})[
+        "results"
+    ]
+    scores = np.zeros(len(documents))
+    for result in results:
+        scores[result["index"]] = result["relevance_score"]
+    return scores
+
+
 def measure(url: str, family: Family, folder: Path) -> Parity:
     """Our server's answers for the family's model (served as ``family.name``) against the
     reference, batched and one input at a time."""
@@ -507,20 +625,18 @@ def measure(url: str, family: Family, folder: Path) -> Parity:
                 )
                 for side in family.padding_sides or (None,):
                     parity.add(batched, _reference_embeddings(folder, request, side), cosine=True)
-        elif family.kind == "rerank":
+        elif family.kind in ("rerank", "llm-rerank"):
             from sentence_transformers import CrossEncoder
 
-            results = _post(client, "/v1/rerank", {"model": family.name, "query": QUERY,
-                                                   "documents": TEXTS})["results"]  # fmt: skip
-            batched = np.zeros(len(TEXTS))
-            for result in results:
-                batched[result["index"]] = result["relevance_score"]
-            single = np.array([
-                _post(client, "/v1/rerank", {"model": family.name, "query": QUERY,
-                                             "documents": [text]})["results"][0]["relevance_score"]
-                for text in TEXTS
-            ])  # fmt: skip
+            batched = _rerank_scores(client, family.name, TEXTS)
+            single = np.array([_rerank_scores(client, family.name, [t])[0] for t in TEXTS])
             parity.batched_vs_single = float(np.abs(batched - single).max())
+            if family.kind == "llm-rerank":
+                # The model card's batch (left padding) and each pair alone.
+                for batch_size in (None, 1):
+                    reference = qwen3_reranker_scores(folder, QUERY, TEXTS, batch_size=batch_size)
+                    parity.add(batched, reference, cosine=False)
+                return parity
             with quiet():
                 reference = CrossEncoder(str(folder), device="cpu").predict(
                     [(QUERY, text) for text in TEXTS], show_progress_bar=False
