@@ -10,6 +10,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModel,
+    AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
@@ -23,6 +24,7 @@ from .errors import ModelLoadError
 from .gguf import converted_folder, is_gguf
 from .postprocess import make_postprocess
 from .quantization import check_quantize, module_bytes, quantize_int8
+from .splade import is_sparse_encoder
 from .spec import BUNDLED_MODEL, DTYPE_NAMES, DTYPES, TASKS, ModelSpec, cpu_threads
 from .text import TextModel
 
@@ -125,8 +127,9 @@ def model_name(model: str) -> str:
 
 def detect_task(config: PretrainedConfig, task: str, folder: Path | None = None) -> str:
     """``task``, or for ``auto`` what the folder is: a sequence classifier classifies (a
-    one-label one reranks), a causal LM without a sentence-transformers layout generates,
-    anything else embeds."""
+    one-label one reranks), a causal LM without a sentence-transformers layout generates, a
+    SparseEncoder (SPLADE pooling in ``modules.json``) makes sparse vectors, anything else
+    embeds."""
     if task not in TASKS:
         raise ModelLoadError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
     if task != "auto":
@@ -138,6 +141,8 @@ def detect_task(config: PretrainedConfig, task: str, folder: Path | None = None)
     causal = any(name.endswith("ForCausalLM") for name in architectures)
     if causal and (folder is None or not (folder / "modules.json").is_file()):
         return "generate"
+    if folder is not None and is_sparse_encoder(folder):
+        return "sparse"
     return "embed"
 
 
@@ -163,6 +168,7 @@ def architecture_shape(
         attention=str(getattr(loaded, "_attn_implementation", None) or "eager"),
         sliding_window=sliding_window(config),
         gated_mlp=_gated_mlp(config, module),
+        token_logits=int(config.vocab_size) if description.splade is not None else 0,
     )
 
 
@@ -253,7 +259,9 @@ def load_model(spec: ModelSpec) -> Model:
         description = describe(
             Path(path), config, task, name=name, default_prompt_name=spec.default_prompt_name
         )
-        auto_class = AutoModel if task == "embed" else AutoModelForSequenceClassification
+        auto_class = {"embed": AutoModel, "sparse": AutoModelForMaskedLM}.get(
+            task, AutoModelForSequenceClassification
+        )
         module = auto_class.from_pretrained(
             path, dtype=dtype, use_safetensors=True, trust_remote_code=False
         )
@@ -299,7 +307,7 @@ def load_model(spec: ModelSpec) -> Model:
 def describe_outputs(description: ModelDescription) -> str:
     """What the load log says about what follows the forward pass."""
     parts = [f"{description.architecture}, read from the {description.source} files"]
-    if description.task == "embed":
+    if description.task in ("embed", "sparse"):
         steps = " -> ".join(step_name(step) for step in description.steps)
         parts.append(f"{steps}, {description.output_dim} dimensions")
     else:

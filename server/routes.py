@@ -157,7 +157,7 @@ async def handle_infer(request: Request) -> ASGIApp:
     body, header_timeout = parse_infer_request(request, await read_json_request(request))
     runtime = _runtime(request)
     request_id = request_id_of(request)
-    slot = slot_for_task(request, body.model, ("embed", "classify"), "/v1/infer")
+    slot = slot_for_task(request, body.model, ("embed", "classify", "sparse"), "/v1/infer")
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     check_inputs(runtime, inputs)
     check_dimensions(slot.info, body.dimensions, name=slot.name)

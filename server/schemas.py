@@ -86,9 +86,19 @@ class ClassificationOutput(BaseModel):
     score: float
 
 
+class SparseOutput(BaseModel):
+    indices: list[int] = Field(description="Vocabulary positions of the non-zero values.")
+    values: list[float] = Field(description="The non-zero values, one per index.")
+
+
 class InferResponse(BaseModel):
     model: str
-    outputs: list[list[float]] | list[ClassificationOutput] | list[list[ClassificationOutput]]
+    outputs: (
+        list[list[float]]
+        | list[ClassificationOutput]
+        | list[list[ClassificationOutput]]
+        | list[SparseOutput]
+    )
     usage: Usage
     request_id: str
 
