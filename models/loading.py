@@ -24,8 +24,8 @@ from .errors import ModelLoadError
 from .gguf import converted_folder, is_gguf
 from .postprocess import make_postprocess
 from .quantization import check_quantize, module_bytes, quantize_int8
-from .splade import is_sparse_encoder
 from .spec import BUNDLED_MODEL, DTYPE_NAMES, DTYPES, TASKS, ModelSpec, cpu_threads
+from .splade import is_sparse_encoder
 from .text import TextModel
 
 log = logging.getLogger(__name__)

@@ -93,7 +93,9 @@ def read_splade(
         )
     config_file = kinds[1][1] / "config.json"
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        config = (
+            json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model {name!r}: cannot read {config_file}: {exc}") from exc
     strategy = config.get("pooling_strategy", "max")

@@ -59,9 +59,7 @@ class EmbedSparseRequest(BaseModel):
         description="Which served sparse embedder runs the inputs, by name; default: the "
         "first sparse embedder the server was started with. Unknown: 404 model_not_found.",
     )
-    priority: int = Field(
-        0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="As on POST /v1/infer."
-    )
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="As on POST /v1/infer.")
     timeout_s: float | None = Field(
         None, gt=0, allow_inf_nan=False,
         description="Deadline in seconds from arrival, as on POST /v1/infer (the "

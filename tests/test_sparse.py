@@ -81,13 +81,14 @@ def test_the_older_mlm_transformer_layout_reads_the_same(plain, tmp_path):
     model = load(old)
     assert model.info.task == "sparse"
     expected = reference_vectors(folder, TEXTS[:3])
-    for vector, row in zip(model.forward(model.prepare(TEXTS[:3], truncate=True)), expected):
+    vectors = model.forward(model.prepare(TEXTS[:3], truncate=True))
+    for vector, row in zip(vectors, expected, strict=True):
         assert_matches(vector.indices, vector.values, row)
 
 
 def test_refusals_name_the_problem(plain, tmp_path):
     folder = plain
-    with pytest.raises(ModelLoadError, match="SparseEncoder.*--task sparse"):
+    with pytest.raises(ModelLoadError, match=r"SparseEncoder.*--task sparse"):
         load(folder, task="embed")
     dense = save_tiny_model(tmp_path / "dense")
     with pytest.raises(ModelLoadError, match="--task sparse serves a sentence-transformers"):
