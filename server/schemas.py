@@ -113,7 +113,7 @@ class ModelCard(BaseModel):
     architecture: str = Field(description="encoder or decoder.")
     pooling: str | None = Field(
         description="Embedding models: cls, mean, max, mean_sqrt_len_tokens, weightedmean or "
-        "lasttoken (several joined by +)."
+        "lasttoken (several joined by +); sparse embedders: splade_max or splade_sum."
     )
     normalize: bool | None = Field(description="Embedding models: outputs have unit length.")
     prompts: dict[str, str] = Field(description="The model's named prompts and their text.")
