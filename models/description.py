@@ -179,7 +179,7 @@ def describe(
     transformer = _transformer_config(root, name)
     if modules_file.is_file():
         steps = _read_modules(
-            root, modules_file, task, name, settings=settings,
+            root, modules_file, task, hidden_size, name, settings=settings,
             vocab_size=int(getattr(config, "vocab_size", 0) or 0),
         )  # fmt: skip
         source: Literal["sentence-transformers", "transformers"] = "sentence-transformers"
@@ -258,8 +258,8 @@ def _max_seq_length(transformer: Mapping[str, Any]) -> int | None:
 
 
 def _read_modules(
-    root: Path, modules_file: Path, task: str, name: str, *, settings: Mapping[str, Any],
-    vocab_size: int,
+    root: Path, modules_file: Path, task: str, hidden_size: int, name: str, *,
+    settings: Mapping[str, Any], vocab_size: int,
 ) -> tuple[Step, ...]:  # fmt: skip
     entries = _read_json(modules_file, name)
     if not isinstance(entries, list) or not entries:

@@ -46,7 +46,7 @@ def module_kinds(modules: Any) -> list[str]:
 
 
 def is_sparse_encoder(folder: Path) -> bool:
-    """Whether ``folder``'s ``modules.json`` ends in SPLADE pooling."""
+    """Whether ``folder``'s ``modules.json`` lists SPLADE pooling."""
     try:
         modules = json.loads((folder / "modules.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -62,15 +62,15 @@ def read_splade(
     folder), refusing what sentence-transformers would run differently; None for a folder
     without SpladePooling (refused where ``task`` is ``sparse``)."""
     if not any(kind == "SpladePooling" for kind, _ in kinds):
-        if task == "sparse" or kinds[0][0] == "MLMTransformer":
+        if task == "sparse":
             raise ModelLoadError(
                 f"model {name!r}: --task sparse serves a SparseEncoder (a Transformer, then "
                 "SpladePooling), which its modules.json does not list"
             )
-        if transformer.get("transformer_task") == "fill-mask":
+        if kinds[0][0] == "MLMTransformer" or transformer.get("transformer_task") == "fill-mask":
             raise ModelLoadError(
-                f"model {name!r}: its Transformer's transformer_task is 'fill-mask' without "
-                "SpladePooling after it, which Batchfit does not run"
+                f"model {name!r}: its Transformer is a masked language model (fill-mask) "
+                "without SpladePooling after it, which Batchfit does not run"
             )
         return None
     if task != "sparse":

@@ -11,21 +11,20 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Request
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, RootModel, TypeAdapter, WithJsonSchema
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
 from .errors import error_response, request_id_of, validation_error
 from .inference import check_inputs, infer_for_request, slot_for_task
-from .lean import JsonAnswer, encode_json, lean_route, parse_body
+from .lean import JsonAnswer, encode_json, lean_route
 from .routes import (
     ERROR_RESPONSES,
     TIMEOUT_HEADER,
+    parse_with_timeout,
     read_json_request,
     require_json,
     require_serving,
-    timeout_header,
 )
 from .schemas import INPUTS_SCHEMA, MAX_PRIORITY, MIN_PRIORITY
 
@@ -78,23 +77,9 @@ router = APIRouter()
 _BODY = TypeAdapter(EmbedSparseRequest)
 
 
-def parse_request(request: Request, raw: bytes) -> tuple[EmbedSparseRequest, float | None]:
-    """The body and the timeout header, failing as one schema error for both."""
-    header_timeout, header_errors = timeout_header(request)
-    try:
-        body = parse_body(_BODY, raw)
-    except RequestValidationError as exc:
-        if not header_errors or any(e["type"] == "json_invalid" for e in exc.errors()):
-            raise
-        raise RequestValidationError([*header_errors, *exc.errors()]) from None
-    if header_errors:
-        raise RequestValidationError(header_errors)
-    return body, header_timeout
-
-
 async def handle_embed_sparse(request: Request) -> ASGIApp:
     """``POST /embed_sparse`` on the lean path (``server/lean``)."""
-    body, header_timeout = parse_request(request, await read_json_request(request))
+    body, header_timeout = parse_with_timeout(_BODY, request, await read_json_request(request))
     slot = slot_for_task(request, body.model, ("sparse",), "/embed_sparse", default_task="sparse")
     runtime = request.app.state.runtime
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
