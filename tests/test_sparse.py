@@ -93,6 +93,19 @@ def test_refusals_name_the_problem(plain, tmp_path):
     dense = save_tiny_model(tmp_path / "dense")
     with pytest.raises(ModelLoadError, match="--task sparse serves a sentence-transformers"):
         load(dense, task="sparse")
+    # A dense sentence-transformers layout: no SpladePooling to serve as sparse, and a
+    # masked language model's logits are never mean-pooled into a dense vector.
+    (dense / "1_Pooling").mkdir()
+    (dense / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))
+    (dense / "modules.json").write_text(json.dumps([
+        {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]))  # fmt: skip
+    with pytest.raises(ModelLoadError, match=r"which its modules\.json does not list"):
+        load(dense, task="sparse")
+    (dense / "sentence_bert_config.json").write_text(json.dumps({"transformer_task": "fill-mask"}))
+    with pytest.raises(ModelLoadError, match=r"masked language model \(fill-mask\) without"):
+        load(dense)
     pooling = folder / "1_SpladePooling" / "config.json"
     original = pooling.read_text()
     try:
