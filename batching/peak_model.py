@@ -88,7 +88,7 @@ MASKLESS_ATTENTION = ("flash_attention_2", "flash_attention_3", "paged_attention
 def prior_peak_model(
     *, hidden_size: int, intermediate_size: int, num_heads: int, element_bytes: int,
     num_kv_heads: int | None = None, head_dim: int | None = None, attention: str = "eager",
-    sliding_window: int | None = None, gated_mlp: bool = False,
+    sliding_window: int | None = None, gated_mlp: bool = False, token_logits: int = 0,
 ) -> PeakModel:  # fmt: skip
     """A deliberately generous first guess from the architecture (docs/memory.md, "The
     prior").
@@ -104,13 +104,16 @@ def prior_peak_model(
     integer token distances even for one input, once per batch and before the layers run
     (``shared_beta``: a ModernBERT at 4,096 tokens peaked at 16.1 bytes per ``L**2`` alone,
     18.2 for two inputs, 26.7 for four and 52.9 for eight, each input then holding its own
-    window mask beside the full one). Flash kernels hold no ``L x L`` tensor.
+    window mask beside the full one). Flash kernels hold no ``L x L`` tensor. A head with
+    ``token_logits`` values per token (a masked language model's vocabulary, for SPLADE)
+    holds them and one copy.
     """
     e = element_bytes
     head_dim = head_dim or hidden_size // max(1, num_heads)
     kv_heads = num_kv_heads or num_heads
     attention_width = (num_heads + 2 * kv_heads) * head_dim
     alpha = e * (8 * hidden_size + attention_width + (3 if gated_mlp else 2) * intermediate_size)
+    alpha += e * 2 * token_logits
     if attention in MASKLESS_ATTENTION:
         return PeakModel(alpha=alpha, beta=0.0, alone_alpha=alpha, alone_beta=0.0)
     mask = 1 + e  # a boolean mask and the float copy the CPU kernel makes of it
@@ -154,6 +157,7 @@ def prior_for(shape: PriorShape) -> PeakModel:
         attention=shape.attention,
         sliding_window=shape.sliding_window,
         gated_mlp=shape.gated_mlp,
+        token_logits=getattr(shape, "token_logits", 0),  # a head's logits per token, if any
     )
 
 

@@ -3,9 +3,25 @@ shape the answer. numpy only: an API process in front of an engine runs these.""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+
+
+class SparseVector(NamedTuple):
+    """A sparse embedder's output: its non-zero entries, by ascending index."""
+
+    indices: np.ndarray
+    """int32 positions in the vocabulary."""
+    values: np.ndarray
+    """float32, one per index, all non-zero."""
+
+    def pairs(self) -> list[dict[str, Any]]:
+        """TEI's shape: ``[{"index": i, "value": v}, ...]``."""
+        return [
+            {"index": i, "value": v}
+            for i, v in zip(self.indices.tolist(), self.values.tolist(), strict=True)
+        ]
 
 
 def truncate_dimensions(vector: Any, dimensions: int, normalize: bool) -> np.ndarray:

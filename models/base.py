@@ -42,6 +42,9 @@ class ArchitectureShape:
     gated_mlp: bool = False
     """The feed-forward multiplies a gate by an up projection (SwiGLU/GeGLU: Llama, Qwen,
     Gemma, ModernBERT), holding three ``intermediate_size`` activations instead of two."""
+    token_logits: int = 0
+    """Values the model's head outputs per token: a sparse (SPLADE) embedder's vocabulary
+    logits, which outweigh every other activation of a small encoder; 0 for other heads."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from .errors import ModelLoadError
+from .splade import Splade, read_splade
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,12 @@ _TRANSFORMER_CONFIGS = (
     "sentence_albert_config.json", "sentence_xlm-roberta_config.json",
     "sentence_xlnet_config.json",
 )  # fmt: skip
-_RUNNABLE = ("Transformer", "Pooling", "Dense", "Normalize")
-_TASK_OUTPUTS = {"feature-extraction": "last_hidden_state", "sequence-classification": "logits"}
+_RUNNABLE = ("Transformer", "Pooling", "Dense", "Normalize", "MLMTransformer", "SpladePooling")
+_TASK_OUTPUTS = {
+    "feature-extraction": "last_hidden_state",
+    "sequence-classification": "logits",
+    "fill-mask": "logits",  # a SparseEncoder's (SPLADE) only
+}
 TANH = "torch.nn.modules.activation.Tanh"
 SIGMOID = "torch.nn.modules.activation.Sigmoid"
 IDENTITY = "torch.nn.modules.linear.Identity"
@@ -85,7 +90,7 @@ class Truncate:
     dimensions: int
 
 
-Step = Pooling | Dense | Normalize | Truncate
+Step = Pooling | Dense | Normalize | Truncate | Splade
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +120,15 @@ class ModelDescription:
         return bool(self.steps) and isinstance(self.steps[-1], Normalize)
 
     @property
+    def splade(self) -> Splade | None:
+        """A sparse embedder's (SPLADE) pooling."""
+        return next((s for s in self.steps if isinstance(s, Splade)), None)
+
+    @property
     def output_dim(self) -> int | None:
+        """An embedder's vector size; a sparse embedder's vocabulary size."""
+        if self.task == "sparse" and self.splade is not None:
+            return self.splade.dimensions
         if self.task != "embed":
             return None
         dim = self.hidden_size
@@ -165,8 +178,16 @@ def describe(
     modules_file = root / "modules.json"
     transformer = _transformer_config(root, name)
     if modules_file.is_file():
-        steps = _read_modules(root, modules_file, task, hidden_size, name)
+        steps = _read_modules(
+            root, modules_file, task, hidden_size, name, settings=settings,
+            vocab_size=int(getattr(config, "vocab_size", 0) or 0),
+        )  # fmt: skip
         source: Literal["sentence-transformers", "transformers"] = "sentence-transformers"
+    elif task == "sparse":
+        raise ModelLoadError(
+            f"model {name!r}: --task sparse serves a sentence-transformers SparseEncoder "
+            "folder (modules.json with SpladePooling), and this folder has no modules.json"
+        )
     else:
         steps = _default_steps(task, architecture, name)
         source = "transformers"
@@ -237,8 +258,9 @@ def _max_seq_length(transformer: Mapping[str, Any]) -> int | None:
 
 
 def _read_modules(
-    root: Path, modules_file: Path, task: str, hidden_size: int, name: str
-) -> tuple[Step, ...]:
+    root: Path, modules_file: Path, task: str, hidden_size: int, name: str, *,
+    settings: Mapping[str, Any], vocab_size: int,
+) -> tuple[Step, ...]:  # fmt: skip
     entries = _read_json(modules_file, name)
     if not isinstance(entries, list) or not entries:
         raise ModelLoadError(f"model {name!r}: modules.json holds no list of modules")
@@ -252,14 +274,19 @@ def _read_modules(
                 f"cannot run (it runs {', '.join(_RUNNABLE)})"
             )
         kinds.append((short, root / str(entry.get("path", ""))))
-    if kinds[0][0] != "Transformer":
+    if kinds[0][0] not in ("Transformer", "MLMTransformer"):
         raise ModelLoadError(f"model {name!r}: the first module is {kinds[0][0]}, not Transformer")
     if kinds[0][1].resolve() != root.resolve():
         raise ModelLoadError(
             f"model {name!r}: its Transformer lives in {kinds[0][1].name!r}; serve that folder "
             "after moving modules.json and the other module folders beside it"
         )
-    _check_transformer(_transformer_config(root, name), task, name)
+    transformer = _transformer_config(root, name)
+    splade = read_splade(kinds, transformer, settings, task=task, vocab_size=vocab_size, name=name)
+    if splade is not None:
+        _check_transformer({"transformer_task": "fill-mask", **transformer}, task, name)
+        return (splade,)
+    _check_transformer(transformer, task, name)
     steps: list[Step] = []
     for short, folder in kinds[1:]:
         if task != "embed":
@@ -267,7 +294,7 @@ def _read_modules(
                 f"model {name!r} is a {task} model whose modules.json adds a {short} module "
                 "after its Transformer; Batchfit runs a classifier's own head only"
             )
-        if short == "Transformer":
+        if short in ("Transformer", "MLMTransformer"):
             raise ModelLoadError(f"model {name!r}: modules.json lists a second Transformer")
         config = _read_json(folder / "config.json", name) or {}
         if short == "Pooling":
@@ -410,4 +437,7 @@ def step_name(step: Step) -> str:
         return f"Dense {step.in_features}->{step.out_features} {activation_name(step.activation)}"
     if isinstance(step, Truncate):
         return f"first {step.dimensions} values"
+    if isinstance(step, Splade):
+        kept = f", at most {step.max_active_dims} active" if step.max_active_dims else ""
+        return f"SPLADE {step.strategy} pooling of {step.activation} over the vocabulary{kept}"
     return "L2 normalisation"

@@ -10,6 +10,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModel,
+    AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
@@ -25,6 +26,7 @@ from .llm_rerank import names_a_reranker
 from .postprocess import make_postprocess
 from .quantization import check_quantize, module_bytes, quantize_int8
 from .spec import BUNDLED_MODEL, DTYPE_NAMES, DTYPES, TASKS, ModelSpec, cpu_threads
+from .splade import is_sparse_encoder
 from .text import TextModel
 
 log = logging.getLogger(__name__)
@@ -130,7 +132,8 @@ def detect_task(
     """``task``, or for ``auto`` what the folder is: a sequence classifier classifies (a
     one-label one reranks), a Qwen3 causal LM whose folder or hub name (``source``) says
     ``reranker`` reranks (Qwen3-Reranker), another causal LM without a sentence-transformers
-    layout generates, anything else embeds."""
+    layout generates, a SparseEncoder (SPLADE pooling in ``modules.json``) makes sparse
+    vectors, anything else embeds."""
     if task not in TASKS:
         raise ModelLoadError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
     if task != "auto":
@@ -144,6 +147,8 @@ def detect_task(
         return "rerank"
     if causal and (folder is None or not (folder / "modules.json").is_file()):
         return "generate"
+    if folder is not None and is_sparse_encoder(folder):
+        return "sparse"
     return "embed"
 
 
@@ -175,6 +180,7 @@ def architecture_shape(
         attention=str(getattr(loaded, "_attn_implementation", None) or "eager"),
         sliding_window=sliding_window(config),
         gated_mlp=_gated_mlp(config, module),
+        token_logits=int(config.vocab_size) if description.splade is not None else 0,
     )
 
 
@@ -269,7 +275,9 @@ def load_model(spec: ModelSpec) -> Model:
         description = describe(
             Path(path), config, task, name=name, default_prompt_name=spec.default_prompt_name
         )
-        auto_class = AutoModel if task == "embed" else AutoModelForSequenceClassification
+        auto_class = {"embed": AutoModel, "sparse": AutoModelForMaskedLM}.get(
+            task, AutoModelForSequenceClassification
+        )
         module = auto_class.from_pretrained(
             path, dtype=dtype, use_safetensors=True, trust_remote_code=False
         )
@@ -315,7 +323,7 @@ def load_model(spec: ModelSpec) -> Model:
 def describe_outputs(description: ModelDescription) -> str:
     """What the load log says about what follows the forward pass."""
     parts = [f"{description.architecture}, read from the {description.source} files"]
-    if description.task == "embed":
+    if description.task in ("embed", "sparse"):
         steps = " -> ".join(step_name(step) for step in description.steps)
         parts.append(f"{steps}, {description.output_dim} dimensions")
     else:

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from .answers import SparseVector
 from .description import Dense, ModelDescription, Normalize, Pooling, Step, Truncate
 from .errors import ModelLoadError
+from .splade import Splade
 
 Postprocess = Callable[[Any, torch.Tensor, torch.Tensor], list[Any]]
 """(model output, attention mask, prompt lengths to leave out of pooling) -> one per row."""
@@ -139,11 +141,48 @@ def _run_steps(
     return x
 
 
+def splade_pool(logits: torch.Tensor, attention_mask: torch.Tensor, step: Splade) -> torch.Tensor:
+    """sentence-transformers' SpladePooling: ``log1p(relu(logits))`` (``log1p`` twice for
+    ``log1p_relu``) over each row's real tokens, then their max or sum: [batch, vocab].
+
+    NOTE: in place, on the logits the model just returned (nothing else reads them): a
+    [batch, length, vocab] copy would double the forward pass's largest tensor. Padding is
+    zeroed after the activation, which gives the same values as sentence-transformers'
+    zeroing before it (relu and log1p keep 0 at 0)."""
+    x = logits.relu_().log1p_()
+    if step.activation == "log1p_relu":
+        x = x.log1p_()
+    x = x.mul_(attention_mask.unsqueeze(-1).to(x.dtype))
+    pooled = x.amax(dim=1) if step.strategy == "max" else x.sum(dim=1)
+    if step.max_active_dims is not None and step.max_active_dims < pooled.size(-1):
+        # sentence-transformers' select_max_active_dims: the largest values, the rest zero.
+        top = pooled.abs().topk(step.max_active_dims, dim=-1).indices
+        pooled = torch.zeros_like(pooled).scatter_(-1, top, pooled.gather(-1, top))
+    return pooled.float()
+
+
+def sparse_vectors(pooled: torch.Tensor) -> list[SparseVector]:
+    """Each row's non-zero entries, by ascending index."""
+    rows = pooled.cpu().numpy()
+    vectors = []
+    for row in rows:
+        (indices,) = row.nonzero()
+        vectors.append(SparseVector(indices.astype("int32"), row[indices].astype("float32")))
+    return vectors
+
+
 def make_postprocess(
     description: ModelDescription, *, name: str, id2label: dict[int, str], device: torch.device
 ) -> Postprocess:
     """The one postprocess of a model, from its description. Dense layers run in float32 on
     the pooled float32 vectors (they are small; the pooled values are summed in float32 too)."""
+    splade = description.splade
+    if description.task == "sparse" and splade is not None:
+
+        def sparse(output: Any, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor):
+            return sparse_vectors(splade_pool(output.logits, attention_mask, splade))
+
+        return sparse
     if description.task == "embed":
         steps: list[Step | torch.nn.Module] = []
         for step in description.steps:

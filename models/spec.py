@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
-TASKS = ("auto", "embed", "classify", "rerank", "generate")
+TASKS = ("auto", "embed", "classify", "rerank", "generate", "sparse")
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPES = ("auto", *DTYPE_NAMES)
 

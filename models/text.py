@@ -60,6 +60,10 @@ class TextModel:
         # A decoder would otherwise build a key/value cache nobody reads.
         self._accepts_use_cache = "use_cache" in parameters
         pooling = description.pooling if description is not None else None
+        splade = description.splade if description is not None else None
+        pooling_name = pooling.name if pooling is not None else None
+        if splade is not None:
+            pooling_name = f"splade_{splade.strategy}"
         self._exclude_prompt = pooling is not None and not pooling.include_prompt
         if truncation_side not in TRUNCATION_SIDES:
             truncation_side = "right"
@@ -74,7 +78,7 @@ class TextModel:
             output_dim=output_dim,
             shape=shape,
             quantize=quantize,
-            pooling=pooling.name if pooling is not None else None,
+            pooling=pooling_name,
             normalize=description.normalize if description and task == "embed" else None,
             prompts=dict(description.prompts) if description else {},
             default_prompt_name=description.default_prompt_name if description else None,

@@ -29,6 +29,7 @@ from .protocols import kserve_v2, openai
 from .rerank import router as rerank_router
 from .routes import metrics_response, router
 from .settings import Settings
+from .sparse import router as sparse_router
 from .status import ASSETS_URL as STATUS_ASSETS_URL
 from .status import StatusHistory, make_status_router, status_assets
 from .watchdog import loop_watchdog
@@ -139,7 +140,9 @@ def create_app(
         )  # fmt: skip
 
     install_error_handlers(app)
-    routers = (router, rerank_router, openai.router, generate_router, kserve_v2.router)
+    routers = (
+        router, rerank_router, sparse_router, openai.router, generate_router, kserve_v2.router,
+    )  # fmt: skip
     for included in routers:
         app.include_router(included)
     lean_routes = [r for included in routers for r in included.routes if hasattr(r, "lean_app")]

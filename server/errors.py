@@ -49,7 +49,8 @@ _ERROR_TYPES = (
               "on `/v1/rerank`)"),
     ErrorType("wrong_task", (400,),
               "the model does another task than the endpoint serves (a reranker on `/v1/infer`, "
-              "an embedder on `/v1/rerank`)"),
+              "an embedder on `/v1/rerank` or `/embed_sparse`, a sparse embedder on "
+              "`/v1/embeddings`)"),
     ErrorType("unsupported_parameter", (400,),
               "a parameter the model cannot honour: `dimensions` for a model that does not "
               "embed, `top_k` for one that does not classify; on the generation routes an "

@@ -24,6 +24,7 @@ def runtime_of(request: Request) -> Runtime:
 TASK_ROUTES = {
     "rerank": "rerankers answer POST /v1/rerank",
     "generate": "generators answer POST /v1/completions and POST /v1/chat/completions",
+    "sparse": "sparse embedders answer POST /embed_sparse, POST /v1/infer and v2 infer",
 }
 
 
@@ -132,6 +133,8 @@ def shape_outputs(
     normalises), a classifier's best label or its best ``top_k`` labels."""
     if info.task == "classify":
         return [top_labels(output, top_k) for output in outputs]
+    if info.task == "sparse":  # SparseVector: named arrays, as /v1/infer answers them
+        return [{"indices": o.indices, "values": o.values} for o in outputs]
     if dimensions is not None and dimensions != info.output_dim:
         return [truncate_dimensions(o, dimensions, bool(info.normalize)) for o in outputs]
     return outputs

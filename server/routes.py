@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import orjson
 from fastapi import APIRouter, Depends, Header, Request
@@ -119,6 +119,7 @@ async def read_json_request(request: Request) -> bytes:
     return body
 
 
+Body = TypeVar("Body")
 TimeoutHeader = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 TIMEOUT_HEADER = "X-Timeout-S"
 _INFER_BODY = TypeAdapter(InferRequest)
@@ -140,9 +141,17 @@ def timeout_header(request: Request) -> tuple[float | None, list[dict[str, Any]]
 
 def parse_infer_request(request: Request, raw: bytes) -> tuple[InferRequest, float | None]:
     """The body and the timeout header, failing as one schema error for both."""
+    return parse_with_timeout(_INFER_BODY, request, raw)
+
+
+def parse_with_timeout(
+    adapter: TypeAdapter[Body], request: Request, raw: bytes
+) -> tuple[Body, float | None]:
+    """A body of ``adapter``'s type and the timeout header, failing as one schema error for
+    both."""
     header_timeout, header_errors = timeout_header(request)
     try:
-        body = parse_body(_INFER_BODY, raw)
+        body = parse_body(adapter, raw)
     except RequestValidationError as exc:
         if not header_errors or any(e["type"] == "json_invalid" for e in exc.errors()):
             raise
@@ -157,7 +166,7 @@ async def handle_infer(request: Request) -> ASGIApp:
     body, header_timeout = parse_infer_request(request, await read_json_request(request))
     runtime = _runtime(request)
     request_id = request_id_of(request)
-    slot = slot_for_task(request, body.model, ("embed", "classify"), "/v1/infer")
+    slot = slot_for_task(request, body.model, ("embed", "classify", "sparse"), "/v1/infer")
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     check_inputs(runtime, inputs)
     check_dimensions(slot.info, body.dimensions, name=slot.name)

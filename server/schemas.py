@@ -86,9 +86,19 @@ class ClassificationOutput(BaseModel):
     score: float
 
 
+class SparseOutput(BaseModel):
+    indices: list[int] = Field(description="Vocabulary positions of the non-zero values.")
+    values: list[float] = Field(description="The non-zero values, one per index.")
+
+
 class InferResponse(BaseModel):
     model: str
-    outputs: list[list[float]] | list[ClassificationOutput] | list[list[ClassificationOutput]]
+    outputs: (
+        list[list[float]]
+        | list[ClassificationOutput]
+        | list[list[ClassificationOutput]]
+        | list[SparseOutput]
+    )
     usage: Usage
     request_id: str
 
@@ -103,7 +113,7 @@ class ModelCard(BaseModel):
     architecture: str = Field(description="encoder or decoder.")
     pooling: str | None = Field(
         description="Embedding models: cls, mean, max, mean_sqrt_len_tokens, weightedmean or "
-        "lasttoken (several joined by +)."
+        "lasttoken (several joined by +); sparse embedders: splade_max or splade_sum."
     )
     normalize: bool | None = Field(description="Embedding models: outputs have unit length.")
     prompts: dict[str, str] = Field(description="The model's named prompts and their text.")

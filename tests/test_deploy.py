@@ -307,7 +307,9 @@ def test_nginx_routes_exactly_the_public_api(nginx_conf):
     public = {route.path for route in public_api_routes(app)}
     assert {"/v1/infer", "/v1/rerank", "/v1/embeddings", "/v2/models/{name:path}/infer"} <= public
     assert {path for path in app_paths if is_public_api(path)} == public
-    for path in [*app_paths, "/v1", "/v2", "/v1x", "/v2x/models", "/", "/v3/models"]:
+    assert "/embed_sparse" in public
+    for path in [*app_paths, "/v1", "/v2", "/v1x", "/v2x/models", "/", "/v3/models",
+                 "/embed_sparse/x", "/embed_sparsex", "/x/embed_sparse"]:  # fmt: skip
         assert bool(pattern.search(path)) == is_public_api(path), path
     for operator_path in ("/metrics", "/health/ready", "/status", "/status.json", "/docs",
                           "/openapi.json", "/admin/profile", "/redoc"):  # fmt: skip

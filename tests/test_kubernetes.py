@@ -22,7 +22,12 @@ import yaml
 
 from bench.servers import free_port
 from server import Settings, create_app
-from server.public_api import PUBLIC_API_PREFIXES, is_public_api, public_api_routes
+from server.public_api import (
+    PUBLIC_API_PATHS,
+    PUBLIC_API_PREFIXES,
+    is_public_api,
+    public_api_routes,
+)
 from server.settings import LauncherSettings
 from server.supervise.nginx import (
     GENERATION_ROUTES,
@@ -357,15 +362,21 @@ def ingress_routes(path: str) -> bool:
     """Whether the Ingress sends ``path`` to the Service."""
     rules = find(render("gpu"), "Ingress")["spec"]["rules"]
     entries = [entry for rule in rules for entry in rule["http"]["paths"]]
-    assert {entry["pathType"] for entry in entries} == {"Prefix"}
-    return any(prefix_matches(entry["path"], path) for entry in entries)
+    assert {entry["pathType"] for entry in entries} == {"Prefix", "Exact"}
+    return any(
+        prefix_matches(entry["path"], path)
+        if entry["pathType"] == "Prefix"
+        else entry["path"] == path
+        for entry in entries
+    )
 
 
 def test_ingress_routes_the_public_api_only_as_the_local_nginx_does():
     rules = find(render("gpu"), "Ingress")["spec"]["rules"]
     entries = [entry for rule in rules for entry in rule["http"]["paths"]]
     assert [(e["path"], e["pathType"]) for e in entries] == [
-        (prefix, "Prefix") for prefix in PUBLIC_API_PREFIXES
+        *((prefix, "Prefix") for prefix in PUBLIC_API_PREFIXES),
+        *((path, "Exact") for path in PUBLIC_API_PATHS),
     ]
     assert all(e["backend"]["service"] == {"name": "batchfit", "port": {"name": "http"}}
                for e in entries)  # fmt: skip
@@ -376,7 +387,8 @@ def test_ingress_routes_the_public_api_only_as_the_local_nginx_does():
         assert ingress_routes(concrete), route.path
     all_paths = create_app(Settings(admin_token="t")).openapi()["paths"]
     for path in [*all_paths, "/status", "/status.json", "/docs", "/openapi.json", "/metrics",
-                 "/health/ready", "/health/live", "/admin/profile", "/", "/v1x"]:  # fmt: skip
+                 "/health/ready", "/health/live", "/admin/profile", "/", "/v1x",
+                 "/embed_sparse/x", "/embed_sparsex"]:  # fmt: skip
         assert ingress_routes(path) == is_public_api(path), path
 
 

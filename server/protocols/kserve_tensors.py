@@ -103,6 +103,13 @@ def output_tensors(info: ModelInfo, outputs: list[Any]) -> dict[str, tuple[str, 
         labels = np.array([str(o["label"]) for o in outputs], dtype=object)
         scores = np.array([o["score"] for o in outputs], dtype="<f4")
         return {"label": ("BYTES", labels), "score": ("FP32", scores)}
+    if info.task == "sparse":  # every input's entries end to end, as a CSR matrix's rows
+        sizes = [len(o["indices"]) for o in outputs]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype("<i8")
+        indices = np.concatenate([np.asarray(o["indices"], dtype="<i8") for o in outputs])
+        values = np.concatenate([np.asarray(o["values"], dtype="<f4") for o in outputs])
+        return {"indices": ("INT64", indices), "values": ("FP32", values),
+                "offsets": ("INT64", offsets)}  # fmt: skip
     return {"embedding": ("FP32", np.stack([np.asarray(o, dtype="<f4") for o in outputs]))}
 
 
@@ -163,4 +170,7 @@ def _encode_binary(kind: str, array: np.ndarray) -> bytes:
             encoded = str(value).encode("utf-8")
             parts.append(len(encoded).to_bytes(4, "little") + encoded)
         return b"".join(parts)
-    return np.ascontiguousarray(array, dtype="<f4").tobytes()
+    return np.ascontiguousarray(array, dtype=_NUMPY_TYPES[kind]).tobytes()
+
+
+_NUMPY_TYPES = {"FP32": "<f4", "INT64": "<i8"}

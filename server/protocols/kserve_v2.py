@@ -1,7 +1,9 @@
 """Open Inference Protocol (KServe v2) REST: health, metadata and inference.
 
 Text goes in as one BYTES tensor named ``text``; embeddings come out as an FP32 tensor
-``embedding`` of shape [N, dim] (classifiers: BYTES ``label`` and FP32 ``score``). Errors are
+``embedding`` of shape [N, dim] (classifiers: BYTES ``label`` and FP32 ``score``; sparse
+embedders: their non-zero entries as INT64 ``indices`` and FP32 ``values``, input ``i``'s
+from ``offsets[i]`` to ``offsets[i + 1]``, as a CSR matrix stores its rows). Errors are
 ``{"error": message}`` as the protocol defines. Triton's binary tensor data extension is
 supported for inputs and outputs, so tritonclient works with its defaults; the tensors are
 decoded and encoded in ``kserve_tensors.py``.
@@ -128,6 +130,12 @@ def _outputs_of(info: ModelInfo) -> list[dict[str, Any]]:
             {"name": "label", "datatype": "BYTES", "shape": [-1]},
             {"name": "score", "datatype": "FP32", "shape": [-1]},
         ]
+    if info.task == "sparse":
+        return [
+            {"name": "indices", "datatype": "INT64", "shape": [-1]},
+            {"name": "values", "datatype": "FP32", "shape": [-1]},
+            {"name": "offsets", "datatype": "INT64", "shape": [-1]},
+        ]
     return [{"name": "embedding", "datatype": "FP32", "shape": [-1, info.output_dim or -1]}]
 
 
@@ -235,7 +243,7 @@ async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
     info = slot.info
     if not runtime.ready:
         raise not_ready()
-    if info.task not in ("embed", "classify"):
+    if info.task not in ("embed", "classify", "sparse"):
         raise ApiError(
             400, "wrong_task",
             f"{slot.name} is a {info.task} model{task_hint(info.task)}",

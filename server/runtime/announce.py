@@ -63,7 +63,7 @@ def cache_budget(engine: GenerationEngine, reading: MemoryReading | None) -> str
 def outputs(info: ModelInfo) -> str:
     """What a model answers: ``embed: mean pooling, normalised, 384 dims; prompts query,
     passage (default query)``, ``rerank: sigmoid``, ``classify: softmax``."""
-    if info.task == "embed":
+    if info.task in ("embed", "sparse"):
         normalised = None if info.normalize is None else "normalised"
         if info.normalize is False:
             normalised = "not normalised"

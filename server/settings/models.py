@@ -29,11 +29,13 @@ class ModelSettings(BaseModel):
         ("auto",),
         description="[name=]task: embed (pooled as the model's configuration says), classify, "
         "rerank (a cross-encoder; for a causal LM, an LLM reranker with Qwen3-Reranker's "
-        "prompt), generate (a causal LM behind /v1/completions and /v1/chat/completions) or "
-        "auto, which reads the config (a one-label sequence classifier is a reranker; a Qwen3 "
-        "causal LM whose folder or hub name says reranker is an LLM reranker; another causal "
-        "LM without a sentence-transformers layout, or a .gguf file, generates). A bare task "
-        "applies to every model without a name=task of its own.",
+        "prompt), generate (a causal LM behind /v1/completions and /v1/chat/completions), "
+        "sparse (a sentence-transformers SparseEncoder: SPLADE vectors behind /embed_sparse) "
+        "or auto, which reads the config (a one-label sequence classifier is a reranker; a "
+        "Qwen3 causal LM whose folder or hub name says reranker is an LLM reranker; another "
+        "causal LM without a sentence-transformers layout, or a .gguf file, generates; "
+        "SpladePooling in modules.json makes sparse vectors). A bare task applies to every "
+        "model without a name=task of its own.",
     )
     default_prompt_name: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
