@@ -34,7 +34,8 @@ class GenerationMetrics:
         self.request_duration = Histogram(
             "batchfit_generation_request_duration_seconds",
             "From a sequence's admission to its last token.",
-            MODEL, buckets=(*latency, 600.0, 1800.0), registry=registry,
+            MODEL, buckets=(*latency, *(b for b in (600.0, 1800.0) if b > latency[-1])),
+            registry=registry,
         )  # fmt: skip
         self.step_tokens = Histogram(
             "batchfit_generation_step_tokens",

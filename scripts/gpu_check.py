@@ -3,6 +3,7 @@
     python -m scripts.gpu_check storm      --device cuda --work DIR
     python -m scripts.gpu_check throughput --device cuda --work DIR
     python -m scripts.gpu_check generate   --device cuda --work DIR
+    python -m scripts.gpu_check generate-memory --device cuda --work DIR
     python -m scripts.gpu_check summary    --work DIR --out DIR --status tests=0 ...
 
 With ``--device cpu`` (the dry run) each step runs its CPU counterpart at small sizes.
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .gpu_common import device_facts, write_json
+from .gpu_generate_memory import memory_markdown
 from .gpu_storm import StormPlan, burst_texts, run_storm
 from .gpu_throughput import ThroughputPlan, run_throughput
 from .gpu_workers import plans as workers_plans
@@ -39,6 +41,9 @@ STEPS = ("tests", "storm", "throughput", "workers")
 GENERATE = "generate"
 """The generation step: ``gpu_check.sh --generate`` runs it alone, in a call of its own (the
 four steps above fill one 10-minute call)."""
+GENERATE_MEMORY = "generate-memory"
+"""Generation while a second process takes device memory: ``gpu_check.sh --generate-memory``,
+alone too."""
 
 
 def guarded(run: Callable[..., dict[str, Any]], plan: Any, *args: Any) -> dict[str, Any]:
@@ -120,9 +125,22 @@ def generate(device: str, work: Path) -> bool:
     return bool(figures["passed"])
 
 
+def generate_memory(device: str, work: Path) -> bool:
+    from .gpu_generate_memory import memory_step
+
+    try:
+        figures = memory_step(device, work)
+    except Exception as exc:
+        logging.exception("generate-memory failed")
+        figures = {"error": f"{type(exc).__name__}: {exc}"[:2000], "passed": False}
+    write_json(work / "generate_memory.json", figures)
+    return bool(figures["passed"])
+
+
 def checked_steps(status: dict[str, int]) -> tuple[str, ...]:
-    """The steps a run must pass: the four, or the generation step where it ran (alone)."""
-    return (GENERATE,) if GENERATE in status else STEPS
+    """The steps a run must pass: the four, or a generation step where it ran (alone)."""
+    alone = tuple(step for step in (GENERATE, GENERATE_MEMORY) if step in status)
+    return alone or STEPS
 
 
 def _read(path: Path) -> Any:
@@ -153,6 +171,7 @@ def summary(work: Path, out: Path, status: dict[str, int], dry_run: bool, device
         "throughput": _read(work / "throughput.json"),
         "workers": _read(work / "workers.json"),
         "generate": _read(work / "generate.json"),
+        "generate_memory": _read(work / "generate_memory.json"),
     }
     results["passed"] = all(status.get(step) == 0 for step in checked_steps(status))
     write_json(out / "results.json", results)
@@ -177,8 +196,9 @@ def markdown(results: dict[str, Any], device: str) -> str:
         ),
         "",
         *generate_markdown(results.get("generate")),
+        *memory_markdown(results.get("generate_memory")),
     ]
-    if GENERATE in status:  # the generation step runs alone
+    if GENERATE in status or GENERATE_MEMORY in status:  # the generation steps run alone
         return "\n".join(lines) + "\n"
     lines += ["## 1. `pytest -m gpu`", ""]
     for name, figures in sorted((results.get("tests") or {}).items()):
@@ -289,7 +309,8 @@ def generate_markdown(figures: dict[str, Any] | None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check")
     parser.add_argument(
-        "step", choices=("machine", "storm", "throughput", "workers", GENERATE, "summary")
+        "step",
+        choices=("machine", "storm", "throughput", "workers", GENERATE, GENERATE_MEMORY, "summary"),
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--work", type=Path, required=True)
@@ -310,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if workers(args.device, args.work) else 1
     if args.step == GENERATE:
         return 0 if generate(args.device, args.work) else 1
+    if args.step == GENERATE_MEMORY:
+        return 0 if generate_memory(args.device, args.work) else 1
     status = {k: int(v) for k, v in (item.split("=", 1) for item in args.status)}
     return 0 if summary(args.work, args.out, status, args.dry_run, args.device) else 1
 

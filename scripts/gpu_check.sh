@@ -2,7 +2,7 @@
 # The GPU check, in one command on a bare NVIDIA machine with Python 3.12 and torch (CUDA),
 # and no network: see docs/gpu.md.
 #
-#   scripts/gpu_check.sh [--dry-run] [--generate] [--out DIR]
+#   scripts/gpu_check.sh [--dry-run] [--generate | --generate-memory] [--out DIR]
 #
 # Installs .whl/*.whl (`make gpu-wheels`) into a folder of its own, keeps the machine's torch,
 # runs (1) pytest -m gpu, (2) an out-of-memory storm against a real replica, (3) throughput
@@ -11,7 +11,9 @@
 # on the CPU, at small sizes, with the CPU counterparts of the GPU parts and the Python
 # environment already in use (no wheels). --generate runs, instead of those steps, a short
 # `batchfit bench --generate` of batchfit against the in-process limit on the device: a call
-# of its own, as the four steps fill one 10-minute call.
+# of its own, as the four steps fill one 10-minute call. --generate-memory runs, in a call of
+# its own too, 64 streams twice, the second time with a process taking 30% of the device's
+# memory halfway (docs/gpu.md).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,8 +24,10 @@ while [ $# -gt 0 ]; do
     case $1 in
         --dry-run) DRY_RUN=1 ;;
         --generate) GENERATE=1 ;;
+        --generate-memory) GENERATE=memory ;;
         --out) OUT=$2; shift ;;
-        *) echo "usage: $0 [--dry-run] [--generate] [--out DIR]" >&2; exit 2 ;;
+        *) echo "usage: $0 [--dry-run] [--generate | --generate-memory] [--out DIR]" >&2
+           exit 2 ;;
     esac
     shift
 done
@@ -79,6 +83,9 @@ STATUS=()
 if [ "$GENERATE" = 1 ]; then
     step generate "$GENERATE_LIMIT" \
         "$PYTHON" -m scripts.gpu_check generate --device "$DEVICE" --work "$WORK"
+elif [ "$GENERATE" = memory ]; then
+    step generate-memory "$GENERATE_LIMIT" \
+        "$PYTHON" -m scripts.gpu_check generate-memory --device "$DEVICE" --work "$WORK"
 else
     step tests "${LIMITS[0]}" env BATCHFIT_GPU_CHECK_DEVICE=$DEVICE BATCHFIT_GPU_CHECK_OUT="$WORK" \
         "$PYTHON" -m pytest tests/gpu -m gpu -q -p no:cacheprovider --timeout "${LIMITS[0]}" \

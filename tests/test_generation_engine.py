@@ -378,3 +378,8 @@ async def test_warm_up_fits_the_step_time_model_and_frees_what_it_ran(thread):
     assert engine.pacing.time_model.coefficients is not None
     assert model.cached == {} and engine.cache_bytes == 0
     assert max(sum(n for _, _, n in step) for step in model.steps) >= 256
+
+
+def test_the_metrics_take_a_deadline_past_ten_minutes():
+    metrics = GenerationMetrics(CollectorRegistry(), max_step_tokens=2048, max_latency_s=900)
+    assert metrics.for_model("m") is not None
