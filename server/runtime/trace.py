@@ -1,11 +1,26 @@
-"""What one request went through, for the access log: sizes and times, never the text."""
+"""What one request went through, for the access log, the timing headers and the trace spans:
+sizes and times, never the text."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from batching import Pending
+
+
+class BatchTiming(NamedTuple):
+    """One forward pass that answered inputs of a request, as the request saw it."""
+
+    start_after_s: float
+    """From the request's admission (its items queued) until the pass started."""
+    duration_s: float
+    number: int
+    """The engine's count of passes: the same pass in every request that had items in it."""
+    size: int
+    tokens: int
+    padded_tokens: int
 
 
 @dataclass(slots=True)
@@ -21,9 +36,47 @@ class RequestTrace:
     generated_tokens: int | None = None
     """A generation request's tokens generated, over all its choices (``tokens``: its
     prompts')."""
+    tokenize_s: float | None = None
+    """Tokenizing its inputs, the wait for the tokenizer thread included."""
+    batches: list[BatchTiming] = field(default_factory=list)
+    """The forward passes that answered its inputs, in order."""
+    called_s: float | None = None
+    """``time.perf_counter()`` as the route handed the inputs over (tokenizing starts)."""
+    answered_s: float | None = None
+    """``time.perf_counter()`` as every output was back in the route (None: it failed)."""
 
-    def record(self, pendings: Sequence[Pending]) -> None:
+    def record(self, pendings: Sequence[Pending], admitted_s: float | None = None) -> None:
+        """What its queued items went through; ``admitted_s``: when they were queued (the
+        clock of their ``arrival_s``), which the batches' times count from."""
         waits = [p.started_s - p.arrival_s for p in pendings if p.started_s is not None]
         self.queue_wait_s = max(waits) if waits else None
         batches = sorted({p.batch for p in pendings if p.batch is not None})
         self.batch_sizes = [size for _, size in batches]
+        if admitted_s is None:
+            return
+        runs = {p.run.number: p.run for p in pendings if p.run is not None}
+        self.batches = []
+        for _, run in sorted(runs.items()):
+            if run.finished_s is not None:
+                self.batches.append(BatchTiming(
+                    run.started_s - admitted_s, run.finished_s - run.started_s, run.number,
+                    run.size, run.tokens, run.padded_tokens,
+                ))  # fmt: skip
+
+    @property
+    def inference_s(self) -> float:
+        """Time in the forward passes that answered it (0: all from the cache)."""
+        return sum(batch.duration_s for batch in self.batches)
+
+    def timing_headers(self) -> list[tuple[bytes, bytes]]:
+        """``x-batchfit-{tokenize,queue,inference}-time``: milliseconds, as TEI's
+        ``x-*-time``, with microseconds (a small model's pass often takes under one)."""
+        return [
+            (b"x-batchfit-tokenize-time", _ms(self.tokenize_s)),
+            (b"x-batchfit-queue-time", _ms(self.queue_wait_s)),
+            (b"x-batchfit-inference-time", _ms(self.inference_s)),
+        ]
+
+
+def _ms(seconds: float | None) -> bytes:
+    return f"{max(seconds or 0.0, 0.0) * 1e3:.3f}".encode()
