@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -12,7 +13,9 @@ from opentelemetry.trace import Tracer
 
 SERVICE_NAME = "batchfit"
 SCHEDULE_DELAY_MS = 200
-"""How long a finished span may wait to be sent with others (the SDK's default is 5 s)."""
+"""How long a finished span may wait to be sent with others (the SDK's default is 5 s;
+``OTEL_BSP_SCHEDULE_DELAY``, the SDK's own variable, still sets it)."""
+SCHEDULE_DELAY_VARIABLE = "OTEL_BSP_SCHEDULE_DELAY"
 EXPORT_TIMEOUT_S = 5.0
 TRACES_PATH = "/v1/traces"
 
@@ -32,10 +35,15 @@ class Tracing:
 
     def __init__(self, endpoint: str) -> None:
         self.url = traces_url(endpoint)
-        self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+        # The app's lifespan shuts it down (``shutdown``), not an exit hook of the SDK's.
+        self.provider = TracerProvider(
+            resource=Resource.create({"service.name": SERVICE_NAME}), shutdown_on_exit=False
+        )
         exporter = OTLPSpanExporter(endpoint=self.url, timeout=EXPORT_TIMEOUT_S)
+        # NOTE: None lets the SDK read its variable; a value given here would override it.
+        delay_ms = None if SCHEDULE_DELAY_VARIABLE in os.environ else SCHEDULE_DELAY_MS
         self.provider.add_span_processor(
-            BatchSpanProcessor(exporter, schedule_delay_millis=SCHEDULE_DELAY_MS)
+            BatchSpanProcessor(exporter, schedule_delay_millis=delay_ms)
         )
         self.tracer: Tracer = self.provider.get_tracer("batchfit")
 

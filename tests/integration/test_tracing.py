@@ -149,6 +149,23 @@ def test_a_refused_request_is_traced_with_its_error(traced):
     assert attributes(request)["http.response.status_code"] == 400
 
 
+def test_the_last_spans_are_sent_as_the_replica_stops(tmp_path):
+    """Spans held for a minute by the exporter's schedule still leave on SIGTERM."""
+    trace_id, parent_id = ids()
+    with otlp_receiver() as receiver:
+        with run_server(
+            tmp_path, "--otlp-endpoint", receiver.url, env={"OTEL_BSP_SCHEDULE_DELAY": "60000"}
+        ) as server:
+            answer = httpx.post(
+                f"{server.url}/v1/infer", json={"inputs": TEXTS},
+                headers={"traceparent": f"00-{trace_id}-{parent_id}-01"}, timeout=60,
+            )  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            assert not receiver.spans  # held by the schedule
+        spans = [s for s in receiver.spans if s.trace_id.hex() == trace_id]
+    assert {s.name for s in spans} >= {"POST /v1/infer", *CHILDREN}
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
