@@ -1,14 +1,16 @@
-"""Tracing without a collector: what a request's trace records, the spans built from it (in
-memory), the endpoint's URL, and that a replica without ``--otlp-endpoint`` never loads the
-OpenTelemetry SDK."""
+"""Tracing's parts: what a request's trace records, the spans built from it (in memory), the
+endpoint's URL, that a replica without ``--otlp-endpoint`` never loads the OpenTelemetry SDK,
+and a rerank's spans and timing headers from a tiny cross-encoder served in-process."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -18,11 +20,17 @@ from opentelemetry.trace.span import NonRecordingSpan, SpanContext
 from pydantic import ValidationError
 
 from batching import BatchRun, Pending
+from models import ModelSpec, load_model
+from models.testing import save_tiny_model
 from server.runtime import RequestTrace
 from server.settings import Settings
 from server.tracing import request_spans, traces_url
 from server.tracing.spans import RequestTimes
+from tests.inprocess import serve_in_thread
+from tests.otlp import attributes, otlp_receiver
 from tests.servers import ROOT
+
+STEPS = ("tokenize", "queue", "inference")
 
 
 def pending(arrival_s: float, cost: int) -> Pending:
@@ -134,3 +142,26 @@ def test_the_sdk_is_loaded_only_with_an_endpoint(args, loaded):
     done = subprocess.run([sys.executable, "-c", LOADED, *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, check=True)  # fmt: skip
     assert done.stdout.startswith(loaded), done.stdout + done.stderr
+
+
+def test_a_rerank_is_traced_and_timed(tmp_path):
+    """A tiny real cross-encoder on real uvicorn: its documents' pass in the rerank's trace,
+    and the timing headers on its answer."""
+    folder = save_tiny_model(tmp_path, task="rerank", seed=3)
+    trace_id, parent_id = os.urandom(16).hex(), os.urandom(8).hex()
+    documents = ["Cats eat fish.", "The market fell.", "Dogs chase cats."]
+    model = load_model(ModelSpec(model=str(folder), device="cpu"))
+    with otlp_receiver() as receiver:
+        with serve_in_thread(model, otlp_endpoint=receiver.url) as live:
+            answer = httpx.post(
+                f"{live.url}/v1/rerank", json={"query": "what do cats eat", "documents": documents},
+                headers={"traceparent": f"00-{trace_id}-{parent_id}-01"}, timeout=30,
+            )  # fmt: skip
+            assert answer.status_code == 200, answer.text
+        spans = [s for s in receiver.spans if s.trace_id.hex() == trace_id]
+    (request,) = [s for s in spans if s.name == "POST /v1/rerank"]
+    assert request.parent_span_id.hex() == parent_id
+    batches = [attributes(s) for s in spans if s.name == "batch"]
+    assert sum(tags["batchfit.batch.size"] for tags in batches) == len(documents)
+    times = [float(answer.headers[f"x-batchfit-{step}-time"]) for step in STEPS]
+    assert all(value >= 0 for value in times) and times[2] > 0, times
