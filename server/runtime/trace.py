@@ -54,29 +54,36 @@ class RequestTrace:
         self.batch_sizes = [size for _, size in batches]
         if admitted_s is None:
             return
-        runs = {p.run.number: p.run for p in pendings if p.run is not None}
-        self.batches = []
-        for _, run in sorted(runs.items()):
-            if run.finished_s is not None:
-                self.batches.append(BatchTiming(
-                    run.started_s - admitted_s, run.finished_s - run.started_s, run.number,
-                    run.size, run.tokens, run.padded_tokens,
-                ))  # fmt: skip
+        runs = {}
+        for pending in pendings:
+            run = pending.run
+            if run is not None and run.finished_s is not None:
+                runs[run.number] = run
+        self.batches = [
+            BatchTiming(
+                run.started_s - admitted_s,
+                run.finished_s - run.started_s,
+                number,
+                run.size,
+                run.tokens,
+                run.padded_tokens,
+            )
+            for number, run in sorted(runs.items())
+        ]
 
     @property
     def inference_s(self) -> float:
         """Time in the forward passes that answered it (0: all from the cache)."""
-        return sum(batch.duration_s for batch in self.batches)
+        total = 0.0
+        for batch in self.batches:
+            total += batch.duration_s
+        return total
 
     def timing_headers(self) -> list[tuple[bytes, bytes]]:
         """``x-batchfit-{tokenize,queue,inference}-time``: milliseconds, as TEI's
         ``x-*-time``, with microseconds (a small model's pass often takes under one)."""
         return [
-            (b"x-batchfit-tokenize-time", _ms(self.tokenize_s)),
-            (b"x-batchfit-queue-time", _ms(self.queue_wait_s)),
-            (b"x-batchfit-inference-time", _ms(self.inference_s)),
+            (b"x-batchfit-tokenize-time", b"%.3f" % ((self.tokenize_s or 0.0) * 1e3)),
+            (b"x-batchfit-queue-time", b"%.3f" % ((self.queue_wait_s or 0.0) * 1e3)),
+            (b"x-batchfit-inference-time", b"%.3f" % (self.inference_s * 1e3)),
         ]
-
-
-def _ms(seconds: float | None) -> bytes:
-    return f"{max(seconds or 0.0, 0.0) * 1e3:.3f}".encode()
