@@ -77,14 +77,15 @@ def create_app(
 
     tracing = None
     if settings.otlp_endpoint is not None:
-        from .tracing import Tracing  # the OpenTelemetry SDK only where it is asked for
+        # The OpenTelemetry SDK only where it is asked for.
+        from .tracing import Tracing, TracingMiddleware
 
         tracing = Tracing(settings.otlp_endpoint)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
-            if tracing is not None:  # left last: the spans of the last requests are sent
+            if tracing is not None:  # registered first, run last: after the last requests
                 stack.push_async_callback(asyncio.to_thread, tracing.shutdown)
             if watch_loop:
                 stack.enter_context(loop_watchdog(settings.hang_timeout_s))
@@ -137,8 +138,6 @@ def create_app(
         metrics=runtime.metrics, observers=observers,
     )  # fmt: skip
     if tracing is not None:
-        from .tracing import TracingMiddleware
-
         # Added last, so it runs outermost: it sees the status of every answer.
         app.add_middleware(TracingMiddleware, tracer=tracing.tracer)
 
@@ -151,8 +150,6 @@ def create_app(
             observers=observers,
         )  # fmt: skip
         if tracing is not None:
-            from .tracing import TracingMiddleware
-
             inner = TracingMiddleware(inner, tracer=tracing.tracer)
         return inner
 
