@@ -52,7 +52,7 @@ from .probes import (
     limit_kills,
     refusal_room,
 )
-from .queue import Pending, RequestQueue
+from .queue import BatchRun, Pending, RequestQueue
 from .side import SideBySide, room_for_passes
 from .sizer import (
     AdaptiveConfig,
@@ -85,6 +85,7 @@ __all__ = [
     "BatchBudget",
     "BatchOutcome",
     "BatchPlan",
+    "BatchRun",
     "BatchTimeModel",
     "Batcher",
     "BatcherConfig",

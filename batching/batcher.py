@@ -22,7 +22,7 @@ from .metrics import BatchingMetrics, MemoryMetrics
 from .model_thread import ModelThread
 from .planner import BatchBudget, BatchPlan, plan_batch, refused_alone, split
 from .probes import MemoryProbe, MemoryReading
-from .queue import Pending, RequestQueue
+from .queue import BatchRun, Pending, RequestQueue
 from .readings import Measurement, MemoryWatch, closed_gate, open_gate
 from .side import SideBySide
 from .sizer import BatchOutcome
@@ -387,6 +387,9 @@ class Batcher:
             for pending in live:
                 _fail(pending, InferenceFailed("model returned the wrong number of outputs"))
             return
+        run = live[0].run
+        if run is not None:
+            run.finished_s = started + elapsed
         orphans = 0
         for pending, output in zip(live, outputs, strict=True):
             if pending.future.done():
@@ -428,10 +431,15 @@ class Batcher:
         lane.metrics.batch_size.observe(len(live))
         lane.metrics.batch_tokens.observe(len(live) * padded_len)
         self.num_batches += 1
+        run = BatchRun(
+            self.num_batches, len(live), sum(p.cost for p in live), len(live) * padded_len,
+            started,
+        )  # fmt: skip
         for pending in live:
             if pending.started_s is None:
                 pending.started_s = started
             pending.batch = (self.num_batches, len(live))
+            pending.run = run
         return lane.record_prediction(len(live), padded_len)
 
     def _count_dropped(self, dropped: Sequence[Pending]) -> None:

@@ -25,6 +25,23 @@ from .errors import NeverAdmitted, QueueFull
 
 
 @dataclass(eq=False, slots=True)
+class BatchRun:
+    """One forward pass, as each of its items remembers it (one object the batch shares):
+    what the response headers and a request's trace spans report."""
+
+    number: int
+    """Counts the batcher's passes from 1."""
+    size: int
+    tokens: int
+    """Its items' tokens."""
+    padded_tokens: int
+    """``size`` x its longest item: what the forward pass computes."""
+    started_s: float
+    finished_s: float | None = None
+    """When its outputs came back (None: it failed, or runs still)."""
+
+
+@dataclass(eq=False, slots=True)
 class Pending:
     """One input waiting for the model, with the future its request awaits."""
 
@@ -42,6 +59,8 @@ class Pending:
     """When its first forward pass started (set by the batcher; the queue wait ends here)."""
     batch: tuple[int, int] | None = field(default=None, init=False)
     """(number, items) of the last forward pass it ran in; an OOM split runs it again."""
+    run: BatchRun | None = field(default=None, init=False)
+    """The last forward pass it ran in (as ``batch``), with its times and tokens."""
 
     @property
     def cost(self) -> int:

@@ -76,9 +76,18 @@ def create_app(
             on_ready=on_ready,
         )
 
+    tracing = None
+    if settings.otlp_endpoint is not None:
+        # The OpenTelemetry SDK only where it is asked for.
+        from .tracing import Tracing, TracingMiddleware
+
+        tracing = Tracing(settings.otlp_endpoint)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
+            if tracing is not None:  # registered first, run last: after the last requests
+                stack.push_async_callback(asyncio.to_thread, tracing.shutdown)
             if watch_loop:
                 stack.enter_context(loop_watchdog(settings.hang_timeout_s))
             if settings.metrics_port is not None and not remote:  # else the engine's
@@ -129,15 +138,21 @@ def create_app(
         RequestContextMiddleware, max_body_bytes=settings.max_body_bytes,
         metrics=runtime.metrics, observers=observers,
     )  # fmt: skip
+    if tracing is not None:
+        # Added last, so it runs outermost: it sees the status of every answer.
+        app.add_middleware(TracingMiddleware, tracer=tracing.tracer)
 
     def lean_middleware(inner: ASGIApp) -> ASGIApp:
         """The same middleware, in the same order, for the lean routes."""
         if api_keys:
             inner = ApiKeyMiddleware(inner, keys=api_keys, exempt_prefixes=exempt)
-        return RequestContextMiddleware(
+        inner = RequestContextMiddleware(
             inner, max_body_bytes=settings.max_body_bytes, metrics=runtime.metrics,
             observers=observers,
         )  # fmt: skip
+        if tracing is not None:
+            inner = TracingMiddleware(inner, tracer=tracing.tracer)
+        return inner
 
     install_error_handlers(app)
     routers = (

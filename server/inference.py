@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -174,6 +175,7 @@ async def infer_for_request(
     state["trace"] = trace = RequestTrace()
     # NOTE: awaited in the request's own task; the client's disconnect settles the wait
     # through ``client`` (no second task watches receive() where the server tells us).
+    trace.called_s = time.perf_counter()
     try:
         outputs, num_tokens = await runtime.infer(
             inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
@@ -184,5 +186,6 @@ async def infer_for_request(
     except ClientDisconnected:
         state["error_type"] = "client_disconnected"
         raise
+    trace.answered_s = time.perf_counter()
     runtime.metrics.count_answered(name, len(outputs), num_tokens)
     return outputs, num_tokens

@@ -113,10 +113,13 @@ class RequestContextMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [
-                    *message.get("headers", []),
-                    (b"x-request-id", request_id.encode()),
-                ]
+                sent = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                trace = state.get("trace")
+                # Set once the runtime has answered every input: not on errors, nor on a
+                # generation request (whose answer starts before its tokens are generated).
+                if trace is not None and trace.answered_s is not None and status < 400:
+                    sent += trace.timing_headers()
+                message["headers"] = sent
             await send(message)
 
         self.metrics.in_flight.inc()

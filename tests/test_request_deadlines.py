@@ -240,7 +240,7 @@ class FakeEngine:
 
     def answer(self, number: int, outputs: list) -> None:
         meta, frames = wire.encode_outputs(outputs)
-        self.link.send(wire.RESULT, (number, meta, 1, 0.0, [1], 0), *frames)
+        self.link.send(wire.RESULT, (number, meta, 1, 0.0, [1], 0, []), *frames)
 
     def fail(self, number: int, status: int, error_type: str, message: str) -> None:
         self.link.send(wire.ERROR, (number, status, error_type, message, None))

@@ -70,6 +70,7 @@ async def answer_infer(
         meta, frames = wire.encode_outputs(outputs)
         answer = (
             number, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits,
+            trace.batches,
         )  # fmt: skip
         worker.send(wire.RESULT, answer, *frames)
     except ClientDisconnected:

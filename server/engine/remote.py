@@ -370,6 +370,7 @@ class RemoteRuntime:
                     self._tokenizer, prepare, remaining_s=arrival_s + timeout_s - self._clock(),
                     timeout_s=timeout_s,
                 )  # fmt: skip
+            trace.tokenize_s = self._clock() - arrival_s
             trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
             # The engine counts the deadline from its own arrival: it is given what is left.
             left_s = arrival_s + timeout_s - self._clock()
@@ -388,7 +389,8 @@ class RemoteRuntime:
                 raise
         finally:
             self._inferring -= 1
-        _, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits = header
+        _, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits, batches = header
+        trace.batches = list(batches)
         return wire.decode_outputs(meta, frames), tokens
 
     def generate(

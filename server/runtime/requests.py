@@ -63,6 +63,7 @@ class RequestPath:
             remaining_s = arrival_s + timeout_s - self._clock.now()
             items = await tokenize_on(self._tokenizer_thread, prepare, remaining_s=remaining_s,
                                       timeout_s=timeout_s)  # fmt: skip
+        trace.tokenize_s = self._clock.now() - arrival_s
         return await self.answer(
             slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
             trace=trace, client=client, dimensions=dimensions, arrival_s=arrival_s,
@@ -113,7 +114,7 @@ class RequestPath:
             await wait.future
         finally:
             wait.close()
-            trace.record(admission.pendings)
+            trace.record(admission.pendings, now)
             # Computations no other request waits for leave the queue and never run: the
             # client went away, the deadline passed, or another input of the request failed.
             left = self._queue.discard(self._inputs.release(admission))

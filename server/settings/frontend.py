@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal, Self
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
@@ -72,6 +73,13 @@ class FrontEndSettings(BaseModel):
         "duration (never the text). Health checks, "
         "metrics scrapes and the status page's polling are left out.",
     )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="Send OpenTelemetry trace spans of each request (tokenize, queue wait, "
+        "batch, postprocess, answer) over OTLP/HTTP to this collector, e.g. "
+        "http://127.0.0.1:4318 (/v1/traces is added to a URL without a path). An incoming "
+        "W3C traceparent header is honoured. Unset: no tracing, at no cost.",
+    )
 
     def api_keys(self) -> tuple[str, ...]:
         """Every accepted API key; empty when auth is off."""
@@ -101,6 +109,17 @@ class FrontEndSettings(BaseModel):
                 f"default_timeout_s ({self.default_timeout_s}) exceeds "
                 f"max_timeout_s ({self.max_timeout_s})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_otlp_endpoint(self) -> Self:
+        endpoint = self.otlp_endpoint
+        if endpoint is not None:
+            parts = urlsplit(endpoint)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"otlp_endpoint must be an http:// or https:// URL, got {endpoint!r}"
+                )
         return self
 
     @model_validator(mode="after")
