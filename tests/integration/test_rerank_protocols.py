@@ -69,7 +69,7 @@ def test_jina_and_cohere_shapes_answer_the_same_ranking(replica, folder):
     sent = [text if i % 2 else {"text": text} for i, text in enumerate(texts)]
     answer = httpx.post(
         f"{replica.url}/v2/rerank", headers=AUTH, timeout=60,
-        json={"model": str(folder), "query": QUERY, "documents": sent, "top_n": 5},
+        json={"model": folder.name, "query": QUERY, "documents": sent, "top_n": 5},
     )  # fmt: skip
     assert answer.status_code == 200, answer.text
     body = answer.json()
@@ -87,20 +87,22 @@ def test_jina_and_cohere_shapes_answer_the_same_ranking(replica, folder):
 def test_the_cohere_client_reranks(replica, folder):
     texts = documents(120)
     expected = reference(folder, texts)
-    client = cohere.ClientV2(api_key=KEY, base_url=replica.url, timeout=60)
-    answer = client.rerank(model=str(folder), query=QUERY, documents=texts, top_n=3)
+    # The replica serves the model under its folder's name.
+    with httpx.Client(timeout=60) as http:
+        client = cohere.ClientV2(api_key=KEY, base_url=replica.url, httpx_client=http)
+        answer = client.rerank(model=folder.name, query=QUERY, documents=texts, top_n=3)
+        with pytest.raises(ApiError) as refused:
+            client.rerank(model=folder.name, query=QUERY, documents=documents(121))
+        wrong = cohere.ClientV2(api_key="wrong", base_url=replica.url, httpx_client=http)
+        with pytest.raises(ApiError) as unauthorised:
+            wrong.rerank(model=folder.name, query=QUERY, documents=texts[:3])
     best = sorted(range(len(texts)), key=lambda i: -expected[i])[:3]
     assert [r.index for r in answer.results] == best
     assert [r.relevance_score for r in answer.results] == pytest.approx(
         [expected[i] for i in best], abs=1e-5
     )
-    with pytest.raises(ApiError) as refused:
-        client.rerank(model=str(folder), query=QUERY, documents=documents(121))
     assert refused.value.status_code == 413
     assert refused.value.body["error_type"] == "too_many_inputs"
-    wrong = cohere.ClientV2(api_key="wrong", base_url=replica.url, timeout=60)
-    with pytest.raises(ApiError) as unauthorised:
-        wrong.rerank(model=str(folder), query=QUERY, documents=texts[:3])
     assert unauthorised.value.status_code == 401
 
 
