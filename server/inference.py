@@ -22,7 +22,7 @@ def runtime_of(request: Request) -> Runtime:
 
 
 TASK_ROUTES = {
-    "rerank": "rerankers answer POST /v1/rerank",
+    "rerank": "rerankers answer POST /v1/rerank and POST /v2/rerank",
     "generate": "generators answer POST /v1/completions and POST /v1/chat/completions",
 }
 
