@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WithJsonSchema
 from starlette.responses import Response
 from starlette.types import ASGIApp
@@ -19,8 +20,15 @@ from starlette.types import ASGIApp
 from .errors import ApiError, error_response, request_id_of, validation_error
 from .inference import check_inputs, infer_for_request, slot_for_task
 from .lean import JsonAnswer, encode_json, lean_route, parse_body
-from .routes import ERROR_RESPONSES, read_json_request, require_json, require_serving
-from .schemas import Usage
+from .routes import (
+    ERROR_RESPONSES,
+    TIMEOUT_HEADER,
+    read_json_request,
+    require_json,
+    require_serving,
+    timeout_header,
+)
+from .schemas import MAX_PRIORITY, MIN_PRIORITY, Usage
 
 _TEXT = {"type": "string", "minLength": 1}
 
@@ -61,6 +69,19 @@ class RerankRequest(BaseModel):
         description="Which served reranker scores the pairs, by name; default: the first "
         "reranker the server was started with. Unknown: 404 model_not_found.",
     )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Deadline in seconds from arrival, as on /v1/infer; capped by the server's "
+        "max_timeout_s. The X-Timeout-S header does the same; given both, the smaller wins.",
+    )
+    priority: int = Field(
+        0,
+        ge=MIN_PRIORITY,
+        le=MAX_PRIORITY,
+        description="Higher runs first, as on /v1/infer (every document of the request).",
+    )
 
 
 class RerankDocument(BaseModel):
@@ -84,6 +105,13 @@ class RerankResponse(BaseModel):
 
 
 router = APIRouter()
+TimeoutParameter = Annotated[
+    float | None,
+    Header(
+        alias=TIMEOUT_HEADER, gt=0, allow_inf_nan=False,
+        description="Deadline in seconds, as timeout_s; the smaller wins.",
+    ),
+]  # fmt: skip
 _RERANK_BODY = TypeAdapter(RerankRequest)
 
 
@@ -103,12 +131,17 @@ class Ranking:
 async def rank_documents(
     request: Request, *, model: str | None, query: str, documents: list[str],
     top_n: int | None, endpoint: str, truncation_direction: str | None = None,
-    max_tokens_per_doc: int | None = None,
+    max_tokens_per_doc: int | None = None, timeout_s: float | None = None, priority: int = 0,
 ) -> Ranking:  # fmt: skip
     """Score ``documents`` against ``query`` with the reranker ``model`` names (None: the
     first) and rank them: the checks and the work every rerank route shares. Up to
     ``--max-rerank-documents`` documents; past ``--max-inputs-per-request`` they enter the
-    queue in pieces (``server/runtime/pieces``)."""
+    queue in pieces (``server/runtime/pieces``). The deadline is the smaller of
+    ``timeout_s`` and the ``X-Timeout-S`` header (neither: the server's default)."""
+    header_timeout, header_errors = timeout_header(request)
+    if header_errors:
+        raise RequestValidationError(header_errors)
+    asked = [t for t in (timeout_s, header_timeout) if t is not None]
     slot = slot_for_task(request, model, ("rerank",), endpoint, default_task="rerank")
     if not query:
         raise ApiError(400, "empty_input", "query is empty")
@@ -133,6 +166,7 @@ async def rank_documents(
     scores, num_tokens = await infer_for_request(
         request, documents, request_id=request_id, model=slot.name, query=query,
         truncation_direction=truncation_direction, max_tokens_per_doc=max_tokens_per_doc,
+        timeout_s=min(asked, default=None), priority=priority,
     )  # fmt: skip
     ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:top_n]
     return Ranking(slot.name, ranked, scores, num_tokens, request_id)
@@ -145,7 +179,8 @@ async def handle_rerank(request: Request) -> ASGIApp:
         request, model=body.model, query=body.query, documents=body.documents,
         top_n=body.top_n, endpoint="/v1/rerank",
         truncation_direction=body.truncation_direction,
-        max_tokens_per_doc=body.max_tokens_per_doc,
+        max_tokens_per_doc=body.max_tokens_per_doc, timeout_s=body.timeout_s,
+        priority=body.priority,
     )  # fmt: skip
     return JsonAnswer(encode_rerank_answer(ranking, body.documents, body.return_documents))
 
@@ -168,7 +203,9 @@ def encode_rerank_answer(ranking: Ranking, documents: list[str], return_document
 
 
 # The OpenAPI entry of POST /v1/rerank; ``handle_rerank`` serves it (``server/lean``).
-async def rerank(body: RerankRequest, request: Request) -> Response:
+async def rerank(
+    body: RerankRequest, request: Request, x_timeout_s: TimeoutParameter = None
+) -> Response:
     raise AssertionError("handle_rerank serves this route")
 
 

@@ -220,3 +220,29 @@ def test_max_tokens_per_doc_below_one_is_a_schema_error(server, route, max_token
     )
     assert answer.status_code == (400 if route == "/v2/rerank" else 422), answer.text
     assert answer.json()["error_type"] == "invalid_request"
+
+
+@pytest.mark.parametrize("route", ["/v1/rerank", "/v2/rerank"])
+def test_the_timeout_header_sets_the_deadline(server, route):
+    body = {"query": QUERY, "documents": documents(40)}
+    late = httpx.post(
+        f"{server.url}{route}", json=body, headers={"X-Timeout-S": "0.000001"}, timeout=30
+    )
+    assert late.status_code == 504, late.text
+    assert late.json()["error_type"] == "deadline_exceeded"
+    bad = httpx.post(f"{server.url}{route}", json=body, headers={"X-Timeout-S": "-1"}, timeout=30)
+    assert bad.status_code == (400 if route == "/v2/rerank" else 422), bad.text
+    assert bad.json()["error_type"] == "invalid_request"
+    fine = httpx.post(f"{server.url}{route}", json=body, headers={"X-Timeout-S": "30"}, timeout=30)
+    assert fine.status_code == 200, fine.text
+
+
+@pytest.mark.parametrize(
+    ("route", "priority", "status"),
+    [("/v1/rerank", 11, 422), ("/v1/rerank", -10, 200), ("/v2/rerank", -1, 400),
+     ("/v2/rerank", 10, 200), ("/v2/rerank", 11, 400)],
+)  # fmt: skip
+def test_priority_is_checked_as_each_api_defines_it(server, route, priority, status):
+    body = {"query": QUERY, "documents": LONG, "priority": priority}
+    answer = httpx.post(f"{server.url}{route}", json=body, timeout=30)
+    assert answer.status_code == status, answer.text

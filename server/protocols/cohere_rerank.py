@@ -21,8 +21,9 @@ from starlette.types import ASGIApp
 
 from ..errors import ApiError, request_id_of
 from ..lean import JsonAnswer, encode_json, lean_route, parse_body
-from ..rerank import Ranking, rank_documents
+from ..rerank import Ranking, TimeoutParameter, rank_documents
 from ..routes import read_json_request
+from ..schemas import MIN_PRIORITY
 from .routes import describe, retry_headers
 
 ENDPOINT = "/v2/rerank"
@@ -67,6 +68,13 @@ class CohereRerankRequest(BaseModel):
     )
     return_documents: bool = Field(
         False, description="Include each result's document as document.text (Cohere's v1)."
+    )
+    priority: int = Field(
+        0,
+        ge=0,
+        le=-MIN_PRIORITY,
+        description="Cohere's: lower is handled earlier, 0 (the default) first. Runs as "
+        "Batchfit's priority -priority (/v1/infer's, where higher runs first).",
     )
 
 
@@ -124,7 +132,7 @@ async def handle_cohere_rerank(request: Request) -> ASGIApp:
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     ranking = await rank_documents(
         request, model=body.model, query=body.query, documents=documents, top_n=body.top_n,
-        endpoint=ENDPOINT, max_tokens_per_doc=body.max_tokens_per_doc,
+        endpoint=ENDPOINT, max_tokens_per_doc=body.max_tokens_per_doc, priority=-body.priority,
     )  # fmt: skip
     return JsonAnswer(encode_cohere_rerank(ranking, documents, body.return_documents))
 
@@ -165,7 +173,9 @@ router = APIRouter(tags=["Cohere"])
 
 
 # The OpenAPI entry of POST /v2/rerank; ``handle_cohere_rerank`` serves it (``server/lean``).
-async def cohere_rerank(body: CohereRerankRequest, request: Request) -> Response:
+async def cohere_rerank(
+    body: CohereRerankRequest, request: Request, x_timeout_s: TimeoutParameter = None
+) -> Response:
     raise AssertionError("handle_cohere_rerank serves this route")
 
 
