@@ -30,6 +30,10 @@ ENDPOINT = "/v2/rerank"
 # Schema errors are 400 here, as Cohere answers them.
 SCHEMA_STATUS = 400
 _TEXT = {"type": "string", "minLength": 1}
+_TEXT_OBJECT = {
+    "type": "object", "properties": {"text": _TEXT}, "required": ["text"],
+    "additionalProperties": False,
+}  # fmt: skip
 
 
 class CohereDocument(BaseModel):
@@ -51,7 +55,10 @@ class CohereRerankRequest(BaseModel):
     query: Annotated[str, WithJsonSchema(_TEXT)] = Field(
         description="The text the documents are scored against; not empty (400 empty_input)."
     )
-    documents: list[str | CohereDocument] = Field(
+    documents: Annotated[
+        list[str | CohereDocument],
+        WithJsonSchema({"type": "array", "items": {"anyOf": [_TEXT, _TEXT_OBJECT]}}),
+    ] = Field(
         description='The texts to score, as strings or {"text": ...} objects; at least one, '
         "at most the server's --max-rerank-documents (413 too_many_inputs)."
     )
