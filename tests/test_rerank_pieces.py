@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from batching import InferenceFailed, Pending
+from batching import InferenceFailed, Pending, ShuttingDown
 from models import Item
 from server.errors import ApiError
 from tests.test_request_deadlines import MODEL, TIMEOUT, harness, until
@@ -114,3 +114,24 @@ async def test_a_failed_input_ends_the_request_and_its_later_pieces_never_enter(
                 await big
         assert len(h.queue) == 0
         assert h.queued.count("big") == 8  # its later pieces were never queued
+
+
+async def test_a_drain_that_gives_up_ends_a_request_between_its_pieces():
+    async with harness(inline_chars=float("inf"), queue_items=8, piece_items=4) as h:
+        big = h.infer(BIG, timeout_s=TIMEOUT, request_id="big")
+        await until(lambda: len(h.queue) == 8)
+        run_queued(h, 8)  # every item it has queued is answered ...
+        others = foreign(8)
+        h.queue.put_many(others)  # ... and the queue is full: it waits with nothing open
+        await asyncio.sleep(0)
+        assert not big.done()
+        h.work.fail_open(ShuttingDown("the server stopped before this input ran"))
+        with pytest.raises(ShuttingDown):
+            async with asyncio.timeout(TIMEOUT):
+                await big
+        h.queue.remove(others)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert h.queued.count("big") == 8  # nothing more of it entered the freed queue
+        for pending in others:
+            pending.future.cancel()

@@ -92,9 +92,7 @@ class RequestPath:
         cut = dimensions if dimensions is not None and dimensions != info.output_dim else None
         finish = _finisher(cut, bool(info.normalize))
 
-        def admit(part: Sequence[Item], start: int) -> Admission:
-            fed_s = self._clock.now()
-
+        def admit(part: Sequence[Item], start: int, fed_s: float) -> Admission:
             def make_pending(item: Any, index: int) -> Pending:
                 return Pending(
                     item=item, future=loop.create_future(), arrival_s=fed_s,
@@ -108,7 +106,7 @@ class RequestPath:
             )  # fmt: skip
 
         piece = self._piece_items
-        first = admit(items[:piece], 0)
+        first = admit(items[:piece], 0, now)
         admissions = [first]
         trace.cache_hits = first.hits
         if len(items) <= piece and first.hits == len(first.futures):
@@ -119,7 +117,10 @@ class RequestPath:
             loop, first.futures, timeout_s=deadline - now, client=client, count=len(items),
             deadline_error=functools.partial(deadline_exceeded, timeout_s),
         )  # fmt: skip
-        feeder = PieceFeeder(self._queue, model=name, piece=piece) if len(items) > piece else None
+        feeder = None
+        if len(items) > piece:
+            feeder = PieceFeeder(self._queue, model=name, piece=piece)
+            self._work.track_wait(wait.future)
         try:
             self._queue_admitted(first, feeder)
             for start in range(piece, len(items), piece):
@@ -127,7 +128,7 @@ class RequestPath:
                 assert feeder is not None
                 if not await feeder.ready(len(part), wait.future):
                     break  # the wait is over: awaiting it raises why
-                admission = admit(part, start)
+                admission = admit(part, start, self._clock.now())
                 admissions.append(admission)
                 trace.cache_hits += admission.hits
                 wait.add(admission.futures)
