@@ -132,12 +132,14 @@ async def rank_documents(
     request: Request, *, model: str | None, query: str, documents: list[str],
     top_n: int | None, endpoint: str, truncation_direction: str | None = None,
     max_tokens_per_doc: int | None = None, timeout_s: float | None = None, priority: int = 0,
+    schema_status: int = 422,
 ) -> Ranking:  # fmt: skip
     """Score ``documents`` against ``query`` with the reranker ``model`` names (None: the
     first) and rank them: the checks and the work every rerank route shares. Up to
     ``--max-rerank-documents`` documents; past ``--max-inputs-per-request`` they enter the
     queue in pieces (``server/runtime/pieces``). The deadline is the smaller of
-    ``timeout_s`` and the ``X-Timeout-S`` header (neither: the server's default)."""
+    ``timeout_s`` and the ``X-Timeout-S`` header (neither: the server's default).
+    ``schema_status``: the route's status for a schema error (as ``check_inputs``)."""
     header_timeout, header_errors = timeout_header(request)
     if header_errors:
         raise RequestValidationError(header_errors)
@@ -155,8 +157,8 @@ async def rank_documents(
             f"{len(documents)} documents, more than the limit of {limit} "
             "(--max-rerank-documents)",
         )  # fmt: skip
-    check_inputs(runtime, [query], field="query")
-    check_inputs(runtime, documents, field="documents", limit=limit)
+    check_inputs(runtime, [query], field="query", schema_status=schema_status)
+    check_inputs(runtime, documents, field="documents", limit=limit, schema_status=schema_status)
     if top_n is not None and top_n < 1:
         raise ApiError(422, "invalid_top_n", f"top_n must be at least 1, got {top_n}")
     # A limit, as Cohere and Jina read it: LangChain's rerankers send top_n=3 whatever the

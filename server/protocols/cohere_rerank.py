@@ -140,6 +140,7 @@ async def handle_cohere_rerank(request: Request) -> ASGIApp:
     ranking = await rank_documents(
         request, model=body.model, query=body.query, documents=documents, top_n=body.top_n,
         endpoint=ENDPOINT, max_tokens_per_doc=body.max_tokens_per_doc, priority=-body.priority,
+        schema_status=SCHEMA_STATUS,
     )  # fmt: skip
     return JsonAnswer(encode_cohere_rerank(ranking, documents, body.return_documents))
 

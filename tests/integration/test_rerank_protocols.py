@@ -4,6 +4,7 @@ client's ``ClientV2.rerank``; scores against sentence-transformers' CrossEncoder
 
 from __future__ import annotations
 
+import json
 import random
 
 import cohere
@@ -113,12 +114,17 @@ def test_the_cohere_client_reranks(replica, folder):
         ({"query": "", "documents": ["a"]}, 400, "empty_input"),
         ({"query": QUERY, "documents": ["a", ""]}, 400, "empty_input"),
         ({"query": QUERY, "documents": [{"title": "a"}]}, 400, "invalid_request"),
+        ({"query": QUERY, "documents": ["a", "\ud800"]}, 400, "invalid_request"),
         ({"query": QUERY, "documents": ["a"], "top_n": 0}, 422, "invalid_top_n"),
         ({"query": QUERY, "documents": ["a"], "model": "nope"}, 404, "model_not_found"),
     ],
 )
 def test_cohere_errors_take_its_shape(replica, body, status, error_type):
-    answer = httpx.post(f"{replica.url}/v2/rerank", headers=AUTH, json=body, timeout=30)
+    # As JSON escapes: a lone surrogate travels as "\ud800".
+    answer = httpx.post(
+        f"{replica.url}/v2/rerank", headers={**AUTH, "content-type": "application/json"},
+        content=json.dumps(body), timeout=30,
+    )  # fmt: skip
     assert answer.status_code == status, answer.text
     error = answer.json()
     assert set(error) == {"id", "message", "error_type"}
