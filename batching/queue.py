@@ -102,6 +102,7 @@ class RequestQueue:
         self._seq = itertools.count()
         self.on_drop: Callable[[list[Pending]], None] | None = None
         """Called with the entries ``purge`` dropped (the batcher counts them)."""
+        self._room_waiters: list[asyncio.Future[None]] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -127,6 +128,27 @@ class RequestQueue:
             bisect.insort(self._items, pending, key=Pending.sort_key)
         self.changed.set()
 
+    def has_room(self, count: int, model: str) -> bool:
+        """Whether ``count`` more items of ``model`` would be admitted now."""
+        self.purge()
+        if len(self._items) + count > self.max_items:
+            return False
+        share = self.max_items_per_model
+        return share is None or sum(1 for p in self._items if p.model == model) + count <= share
+
+    def room_freed(self) -> asyncio.Future[None]:
+        """A future that ends the next time entries leave the queue (taken into a batch,
+        discarded or purged): a request admitted in pieces awaits it for room for the next."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._room_waiters.append(waiter)
+        return waiter
+
+    def _freed(self) -> None:
+        waiters, self._room_waiters = self._room_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     def purge(self) -> list[Pending]:
         """Drop entries whose future already ended (cancelled, timed out); return them."""
         dropped = [p for p in self._items if p.cancelled]
@@ -134,6 +156,7 @@ class RequestQueue:
             self._items = [p for p in self._items if not p.cancelled]
             if self.on_drop is not None:
                 self.on_drop(dropped)
+            self._freed()
         return dropped
 
     def waiting(
@@ -182,6 +205,8 @@ class RequestQueue:
         taken = {id(p) for p in pendings}
         if taken:
             self._items = [p for p in self._items if id(p) not in taken]
+            if self._room_waiters:
+                self._freed()
 
     async def wait_not_empty(self) -> None:
         while not self.waiting(1):

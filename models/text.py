@@ -108,11 +108,12 @@ class TextModel:
     def prepare_pairs(
         self, query: str, documents: Sequence[str], *, truncate: bool = True,
         prompt: str | None = None, truncation_direction: str | None = None,
+        max_tokens_per_doc: int | None = None,
     ) -> list[Item]:  # fmt: skip
         """As ``TextTokenizer.prepare_pairs``."""
         return self._tokenizer.prepare_pairs(
             query, documents, truncate=truncate, prompt=prompt,
-            truncation_direction=truncation_direction,
+            truncation_direction=truncation_direction, max_tokens_per_doc=max_tokens_per_doc,
         )  # fmt: skip
 
     def synthetic_items(self, num_items: int, length: int) -> list[Item]:

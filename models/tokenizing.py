@@ -81,15 +81,40 @@ class TextTokenizer:
     def prepare_pairs(
         self, query: str, documents: Sequence[str], *, truncate: bool = True,
         prompt: str | None = None, truncation_direction: str | None = None,
+        max_tokens_per_doc: int | None = None,
     ) -> list[Item]:  # fmt: skip
         """One item per (query, document) pair, encoded as the tokenizer encodes a pair (with
         its separators and segment ids); truncation shortens the longer side first, from the
-        end ``truncation_direction`` names. A prompt goes in front of the query."""
+        end ``truncation_direction`` names. A prompt goes in front of the query. With
+        ``max_tokens_per_doc``, each document is first cut to that many of its own tokens
+        (special tokens aside), from the same end."""
         query = prompt + query if prompt else query
+        if max_tokens_per_doc is not None:
+            side = truncation_direction or self._truncation_side
+            documents = self.cut_texts(documents, max_tokens_per_doc, side=side)
         pairs = [(query, document) for document in documents]
         return self._items(
             pairs, truncate=truncate, pairs=True, prompt=None, side=truncation_direction
         )
+
+    def cut_texts(self, texts: Sequence[str], max_tokens: int, *, side: str) -> list[str]:
+        """Each of ``texts`` cut to its first (``side`` right) or last (left) ``max_tokens``
+        tokens, at the character offsets of the token boundary, so that encoding the cut
+        text gives those tokens, as transformers' truncation of the text alone does."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        cut = list(texts)
+        encodings = self._full.encode_batch(cut, add_special_tokens=False)
+        for index, encoding in enumerate(encodings):
+            offsets = encoding.offsets
+            if len(offsets) <= max_tokens:
+                continue
+            text = cut[index]
+            if side == "left":
+                cut[index] = text[offsets[-max_tokens][0] :]
+            else:
+                cut[index] = text[: offsets[max_tokens - 1][1]]
+        return cut
 
     def _items(
         self, inputs: list[Any], *, truncate: bool, pairs: bool, prompt: str | None,

@@ -25,7 +25,7 @@ from .generate import router as generate_router
 from .lean import install_lean_front
 from .metrics_server import serve_metrics
 from .middleware import RequestContextMiddleware
-from .protocols import kserve_v2, openai
+from .protocols import cohere_rerank, kserve_v2, openai
 from .rerank import router as rerank_router
 from .routes import metrics_response, router
 from .settings import Settings
@@ -156,7 +156,8 @@ def create_app(
 
     install_error_handlers(app)
     routers = (
-        router, rerank_router, sparse_router, openai.router, generate_router, kserve_v2.router,
+        router, rerank_router, sparse_router, openai.router, cohere_rerank.router,
+        generate_router, kserve_v2.router,
     )  # fmt: skip
     for included in routers:
         app.include_router(included)

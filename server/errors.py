@@ -85,7 +85,9 @@ _ERROR_TYPES = (
               "`POST /admin/profile` while a profile is armed or recording"),
     ErrorType("payload_too_large", (413,), "the body is larger than `--max-body-bytes`",
               (REPLICA, NGINX)),
-    ErrorType("too_many_inputs", (413,), "more inputs than `--max-inputs-per-request`"),
+    ErrorType("too_many_inputs", (413,),
+              "more inputs than `--max-inputs-per-request` (documents than "
+              "`--max-rerank-documents` on `/v1/rerank` and `/v2/rerank`)"),
     ErrorType("input_too_long", (413,),
               "with `truncate: false`, an input longer than the model's maximum"),
     ErrorType("unsupported_media_type", (415,), "a body declared as something other than JSON"),
@@ -95,8 +97,8 @@ _ERROR_TYPES = (
               "`prompt_name` (400 on "
               "`/v1/embeddings` and `/v2`, as those protocols answer)"),
     ErrorType("invalid_top_n", (422,),
-              "`top_n` on `/v1/rerank` below 1 (above the number of documents it returns them "
-              "all)"),
+              "`top_n` on `/v1/rerank` or `/v2/rerank` below 1 (above the number of documents "
+              "it returns them all)"),
     ErrorType("invalid_top_k", (422,), "`top_k` on `/v1/infer` below 1"),
     ErrorType("overloaded", (429,),
               "the replica's queue is full; `Retry-After` says when to retry"),

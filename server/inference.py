@@ -23,7 +23,7 @@ def runtime_of(request: Request) -> Runtime:
 
 
 TASK_ROUTES = {
-    "rerank": "rerankers answer POST /v1/rerank",
+    "rerank": "rerankers answer POST /v1/rerank and POST /v2/rerank",
     "generate": "generators answer POST /v1/completions and POST /v1/chat/completions",
     "sparse": "sparse embedders answer POST /embed_sparse, POST /v1/infer and v2 infer",
 }
@@ -54,12 +54,18 @@ def slot_for_task(
 
 
 def check_inputs(
-    runtime: Runtime, inputs: Sequence[str], field: str = "inputs", *, schema_status: int = 422
+    runtime: Runtime,
+    inputs: Sequence[str],
+    field: str = "inputs",
+    *,
+    schema_status: int = 422,
+    limit: int | None = None,
 ) -> None:
-    """The same limits as ``/v1/infer``: not empty, not too many, no empty string.
-    ``schema_status``: the route's status for a schema error (a lone surrogate): 422 on our
-    own routes, 400 on the protocols' (as OpenAI and KServe answer)."""
-    limit = runtime.config.max_inputs_per_request
+    """The same limits as ``/v1/infer``: not empty, not too many (``limit``; None: the
+    server's ``max_inputs_per_request``), no empty string. ``schema_status``: the route's
+    status for a schema error (a lone surrogate): 422 on our own routes, 400 on the
+    protocols' (as OpenAI and KServe answer)."""
+    limit = runtime.config.max_inputs_per_request if limit is None else limit
     if not inputs:
         raise ApiError(400, "empty_input", f"{field} is empty")
     if len(inputs) > limit:
@@ -155,6 +161,7 @@ async def infer_for_request(
     prompt: str | None = None,
     truncation_direction: str | None = None,
     dimensions: int | None = None,
+    max_tokens_per_doc: int | None = None,
 ) -> tuple[list[Any], int]:
     """Queue the inputs for ``model`` (same queue, batcher and model thread as ``/v1/infer``)
     and wait, dropping them if the client disconnects. Returns the outputs and the token
@@ -182,6 +189,7 @@ async def infer_for_request(
             priority=priority, model=name, query=query, trace=trace, prompt=resolved,
             truncation_direction=truncation_direction,
             client=client_watch(request.scope, request.receive), dimensions=dimensions,
+            max_tokens_per_doc=max_tokens_per_doc,
         )  # fmt: skip
     except ClientDisconnected:
         state["error_type"] = "client_disconnected"

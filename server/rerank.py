@@ -8,9 +8,11 @@ pair is one queue item whose cost is the pair's token count after truncation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WithJsonSchema
 from starlette.responses import Response
 from starlette.types import ASGIApp
@@ -18,8 +20,15 @@ from starlette.types import ASGIApp
 from .errors import ApiError, error_response, request_id_of, validation_error
 from .inference import check_inputs, infer_for_request, slot_for_task
 from .lean import JsonAnswer, encode_json, lean_route, parse_body
-from .routes import ERROR_RESPONSES, read_json_request, require_json, require_serving
-from .schemas import Usage
+from .routes import (
+    ERROR_RESPONSES,
+    TIMEOUT_HEADER,
+    read_json_request,
+    require_json,
+    require_serving,
+    timeout_header,
+)
+from .schemas import MAX_PRIORITY, MIN_PRIORITY, Usage
 
 _TEXT = {"type": "string", "minLength": 1}
 
@@ -32,7 +41,7 @@ class RerankRequest(BaseModel):
     )
     documents: Annotated[list[str], WithJsonSchema({"type": "array", "items": _TEXT})] = Field(
         description="The texts to score; at least one, at most the server's "
-        "max_inputs_per_request (413 too_many_inputs), none empty (400 empty_input)."
+        "--max-rerank-documents (413 too_many_inputs), none empty (400 empty_input)."
     )
     top_n: int | None = Field(
         None,
@@ -48,10 +57,30 @@ class RerankRequest(BaseModel):
         description="Which end truncation cuts a pair from (the longer side first): right "
         "keeps the start, left the end. Default: the model's own.",
     )
+    max_tokens_per_doc: int | None = Field(
+        None,
+        ge=1,
+        description="Cut each document to this many of its own tokens before it is paired "
+        "with the query (from the end truncation_direction names), as Cohere's rerank API "
+        "does. Default: no cut beyond the model's maximum length.",
+    )
     model: str | None = Field(
         None,
         description="Which served reranker scores the pairs, by name; default: the first "
         "reranker the server was started with. Unknown: 404 model_not_found.",
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Deadline in seconds from arrival, as on /v1/infer; capped by the server's "
+        "max_timeout_s. The X-Timeout-S header does the same; given both, the smaller wins.",
+    )
+    priority: int = Field(
+        0,
+        ge=MIN_PRIORITY,
+        le=MAX_PRIORITY,
+        description="Higher runs first, as on /v1/infer (every document of the request).",
     )
 
 
@@ -76,56 +105,109 @@ class RerankResponse(BaseModel):
 
 
 router = APIRouter()
+TimeoutParameter = Annotated[
+    float | None,
+    Header(
+        alias=TIMEOUT_HEADER, gt=0, allow_inf_nan=False,
+        description="Deadline in seconds, as timeout_s; the smaller wins.",
+    ),
+]  # fmt: skip
 _RERANK_BODY = TypeAdapter(RerankRequest)
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """One rerank request's answer before it takes a protocol's shape."""
+
+    model: str
+    ranked: list[int]
+    """The documents' indices, best first, at most ``top_n`` of them."""
+    scores: list[float]
+    """Every document's score, by index."""
+    num_tokens: int
+    request_id: str
+
+
+async def rank_documents(
+    request: Request, *, model: str | None, query: str, documents: list[str],
+    top_n: int | None, endpoint: str, truncation_direction: str | None = None,
+    max_tokens_per_doc: int | None = None, timeout_s: float | None = None, priority: int = 0,
+    schema_status: int = 422,
+) -> Ranking:  # fmt: skip
+    """Score ``documents`` against ``query`` with the reranker ``model`` names (None: the
+    first) and rank them: the checks and the work every rerank route shares. Up to
+    ``--max-rerank-documents`` documents; past ``--max-inputs-per-request`` they enter the
+    queue in pieces (``server/runtime/pieces``). The deadline is the smaller of
+    ``timeout_s`` and the ``X-Timeout-S`` header (neither: the server's default).
+    ``schema_status``: the route's status for a schema error (as ``check_inputs``)."""
+    header_timeout, header_errors = timeout_header(request)
+    if header_errors:
+        raise RequestValidationError(header_errors)
+    asked = [t for t in (timeout_s, header_timeout) if t is not None]
+    slot = slot_for_task(request, model, ("rerank",), endpoint, default_task="rerank")
+    if not query:
+        raise ApiError(400, "empty_input", "query is empty")
+    if not documents:
+        raise ApiError(400, "empty_input", "documents is empty")
+    runtime = request.app.state.runtime
+    limit = runtime.config.max_rerank_documents
+    if len(documents) > limit:
+        raise ApiError(
+            413, "too_many_inputs",
+            f"{len(documents)} documents, more than the limit of {limit} "
+            "(--max-rerank-documents)",
+        )  # fmt: skip
+    check_inputs(runtime, [query], field="query", schema_status=schema_status)
+    check_inputs(runtime, documents, field="documents", limit=limit, schema_status=schema_status)
+    if top_n is not None and top_n < 1:
+        raise ApiError(422, "invalid_top_n", f"top_n must be at least 1, got {top_n}")
+    # A limit, as Cohere and Jina read it: LangChain's rerankers send top_n=3 whatever the
+    # number of candidates.
+    top_n = len(documents) if top_n is None else min(top_n, len(documents))
+    request_id = request_id_of(request)
+    scores, num_tokens = await infer_for_request(
+        request, documents, request_id=request_id, model=slot.name, query=query,
+        truncation_direction=truncation_direction, max_tokens_per_doc=max_tokens_per_doc,
+        timeout_s=min(asked, default=None), priority=priority,
+    )  # fmt: skip
+    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:top_n]
+    return Ranking(slot.name, ranked, scores, num_tokens, request_id)
 
 
 async def handle_rerank(request: Request) -> ASGIApp:
     """``POST /v1/rerank`` on the lean path (``server/lean``)."""
     body = parse_body(_RERANK_BODY, await read_json_request(request))
-    slot = slot_for_task(request, body.model, ("rerank",), "/v1/rerank", default_task="rerank")
-    if not body.query:
-        raise ApiError(400, "empty_input", "query is empty")
-    if not body.documents:
-        raise ApiError(400, "empty_input", "documents is empty")
-    runtime = request.app.state.runtime
-    check_inputs(runtime, [body.query], field="query")
-    check_inputs(runtime, body.documents, field="documents")
-    if body.top_n is not None and body.top_n < 1:
-        raise ApiError(422, "invalid_top_n", f"top_n must be at least 1, got {body.top_n}")
-    # A limit, as Cohere and Jina read it: LangChain's rerankers send top_n=3 whatever the
-    # number of candidates.
-    top_n = len(body.documents) if body.top_n is None else min(body.top_n, len(body.documents))
-    request_id = request_id_of(request)
-    scores, num_tokens = await infer_for_request(
-        request, body.documents, request_id=request_id, model=slot.name, query=body.query,
+    ranking = await rank_documents(
+        request, model=body.model, query=body.query, documents=body.documents,
+        top_n=body.top_n, endpoint="/v1/rerank",
         truncation_direction=body.truncation_direction,
+        max_tokens_per_doc=body.max_tokens_per_doc, timeout_s=body.timeout_s,
+        priority=body.priority,
     )  # fmt: skip
-    return JsonAnswer(encode_rerank_answer(body, slot.name, scores, top_n, num_tokens, request_id))
+    return JsonAnswer(encode_rerank_answer(ranking, body.documents, body.return_documents))
 
 
-def encode_rerank_answer(
-    body: RerankRequest, model: str, scores: list[float], top_n: int, num_tokens: int,
-    request_id: str,
-) -> bytes:  # fmt: skip
-    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:top_n]
+def encode_rerank_answer(ranking: Ranking, documents: list[str], return_documents: bool) -> bytes:
     results = []
-    for index in ranked:
-        result: dict[str, object] = {"index": index, "relevance_score": scores[index]}
-        if body.return_documents:
-            result["document"] = {"text": body.documents[index]}
+    for index in ranking.ranked:
+        result: dict[str, object] = {"index": index, "relevance_score": ranking.scores[index]}
+        if return_documents:
+            result["document"] = {"text": documents[index]}
         results.append(result)
     return encode_json(
         {
-            "model": model,
+            "model": ranking.model,
             "results": results,
-            "usage": {"input_tokens": num_tokens},
-            "request_id": request_id,
+            "usage": {"input_tokens": ranking.num_tokens},
+            "request_id": ranking.request_id,
         }
     )
 
 
 # The OpenAPI entry of POST /v1/rerank; ``handle_rerank`` serves it (``server/lean``).
-async def rerank(body: RerankRequest, request: Request) -> Response:
+async def rerank(
+    body: RerankRequest, request: Request, x_timeout_s: TimeoutParameter = None
+) -> Response:
     raise AssertionError("handle_rerank serves this route")
 
 

@@ -72,10 +72,12 @@ def api_error(outcome: BaseException | None) -> ApiError:
 class Harness:
     """A ``RequestPath`` over a queue nothing takes from, on a fake clock."""
 
-    def __init__(self, *, inline_chars: float = 0.0) -> None:
+    def __init__(
+        self, *, inline_chars: float = 0.0, queue_items: int = 1024, piece_items: int = 256
+    ) -> None:
         self.registry = CollectorRegistry()
         self.clock = FakeClock()
-        self.queue = RequestQueue(1024)
+        self.queue = RequestQueue(queue_items)
         self.queued: list[str] = []  # the request ids of every item put in the queue
         put_many = self.queue.put_many
 
@@ -93,6 +95,7 @@ class Harness:
             work=self.work,
             tokenizer_thread=self.tokenizer_thread,
             metrics=BatchingMetrics(self.registry, max_batch_size=32, max_batch_tokens=4096),
+            piece_items=piece_items,
         )
         self.preparer = GatedPreparer()
         # 0 characters inline: every request goes to the tokenizer thread.

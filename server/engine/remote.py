@@ -341,8 +341,10 @@ class RemoteRuntime:
         truncation_direction: str | None = None,
         client: ClientWatch | None = None,
         dimensions: int | None = None,
+        max_tokens_per_doc: int | None = None,
     ) -> tuple[list[Any], int]:
-        """As ``Runtime.infer``: tokenized here (``truncation_direction`` applies here);
+        """As ``Runtime.infer``: tokenized here (``truncation_direction`` and
+        ``max_tokens_per_doc`` apply here);
         looked up in the output cache, queued and run in the engine, which also cuts to
         ``dimensions``."""
         arrival_s = self._clock()  # the deadline counts from here, tokenizing included
@@ -356,7 +358,7 @@ class RemoteRuntime:
         trace = trace if trace is not None else RequestTrace()
         prepare = prepare_call(
             slot.model, inputs, name=slot.name, truncate=truncate, query=query, prompt=prompt,
-            truncation_direction=truncation_direction,
+            truncation_direction=truncation_direction, max_tokens_per_doc=max_tokens_per_doc,
         )  # fmt: skip
         # As in one process: a request alone here is tokenized inline up to a larger size.
         inline = tokenize_inline(slot, inputs, query=query, prompt=prompt,

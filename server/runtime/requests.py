@@ -17,8 +17,9 @@ from typing import Any
 from batching import BatchingMetrics, Clock, ModelThread, Pending, RequestQueue
 from models import Item, truncate_dimensions
 
-from ..cache import InputCache
+from ..cache import Admission, InputCache
 from ..errors import deadline_exceeded
+from .pieces import PieceFeeder
 from .slot import ModelSlot, prepare_call, tokenize_inline
 from .trace import RequestTrace
 from .tracking import WorkTracker
@@ -31,8 +32,10 @@ class RequestPath:
 
     def __init__(
         self, *, queue: RequestQueue, inputs: InputCache, clock: Clock, work: WorkTracker,
-        tokenizer_thread: ModelThread, metrics: BatchingMetrics,
+        tokenizer_thread: ModelThread, metrics: BatchingMetrics, piece_items: int,
     ) -> None:  # fmt: skip
+        self._piece_items = piece_items
+        """The most inputs of one request the queue takes at once (``pieces``)."""
         self._queue = queue
         self._inputs = inputs
         self._clock = clock
@@ -45,6 +48,7 @@ class RequestPath:
         request_id: str, priority: int, query: str | None, trace: RequestTrace,
         client: ClientWatch | None, prompt: str | None = None,
         truncation_direction: str | None = None, dimensions: int | None = None,
+        max_tokens_per_doc: int | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         """Tokenize ``inputs`` for ``slot``'s model, then as ``answer``; the deadline counts
         from now, the wait for the tokenizer thread included."""
@@ -54,7 +58,7 @@ class RequestPath:
         assert slot.model is not None
         prepare = prepare_call(
             slot.model, inputs, name=slot.name, truncate=truncate, query=query, prompt=prompt,
-            truncation_direction=truncation_direction,
+            truncation_direction=truncation_direction, max_tokens_per_doc=max_tokens_per_doc,
         )  # fmt: skip
         alone = self._work.active_requests <= 1  # this one
         if tokenize_inline(slot, inputs, query=query, prompt=prompt, alone=alone):
@@ -75,8 +79,9 @@ class RequestPath:
         dimensions: int | None, arrival_s: float | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         """Every one of ``items``' outputs, in order, and their tokens: from the cache, from
-        an equal input in flight, or queued here. The deadline is ``timeout_s`` after
-        ``arrival_s`` (None: now); already past, the request ends 504 before it is queued."""
+        an equal input in flight, or queued here (more than ``piece_items`` of them, a
+        piece at a time: ``pieces``). The deadline is ``timeout_s`` after ``arrival_s``
+        (None: now); already past, the request ends 504 before it is queued."""
         loop = asyncio.get_running_loop()
         trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
         now = self._clock.now()
@@ -84,43 +89,70 @@ class RequestPath:
         if now >= deadline:  # it waited its whole deadline to be tokenized
             raise deadline_exceeded(timeout_s)
         name = slot.name
-
-        def make_pending(item: Any, index: int) -> Pending:
-            return Pending(
-                item=item, future=loop.create_future(), arrival_s=now, deadline_s=deadline,
-                priority=priority, request_id=request_id, index=index, model=name,
-            )  # fmt: skip
-
         info = slot.info
         cut = dimensions if dimensions is not None and dimensions != info.output_dim else None
-        admission = self._inputs.admit(
-            loop, name, items, dimensions=cut, priority=priority, deadline_s=deadline,
-            make_pending=make_pending, finish=_finisher(cut, bool(info.normalize)),
-        )  # fmt: skip
-        trace.cache_hits = admission.hits
-        futures = admission.futures
-        if admission.hits == len(futures):
-            return [future.result() for future in futures], trace.tokens
+        finish = _finisher(cut, bool(info.normalize))
+
+        def admit(part: Sequence[Item], start: int, fed_s: float) -> Admission:
+            def make_pending(item: Any, index: int) -> Pending:
+                return Pending(
+                    item=item, future=loop.create_future(), arrival_s=fed_s,
+                    deadline_s=deadline, priority=priority, request_id=request_id,
+                    index=start + index, model=name,
+                )  # fmt: skip
+
+            return self._inputs.admit(
+                loop, name, part, dimensions=cut, priority=priority, deadline_s=deadline,
+                make_pending=make_pending, finish=finish,
+            )  # fmt: skip
+
+        piece = self._piece_items
+        first = admit(items[:piece], 0, now)
+        admissions = [first]
+        trace.cache_hits = first.hits
+        if len(items) <= piece and first.hits == len(first.futures):
+            return [future.result() for future in first.futures], trace.tokens
         # NOTE: the wait is set up before the items are queued: the batcher wakes only once
         # this task yields, and a lone request's batch would otherwise start that much later.
         wait = RequestWait(
-            loop, futures, timeout_s=deadline - now, client=client,
+            loop, first.futures, timeout_s=deadline - now, client=client, count=len(items),
             deadline_error=functools.partial(deadline_exceeded, timeout_s),
         )  # fmt: skip
+        feeder = None
+        if len(items) > piece:
+            feeder = PieceFeeder(self._queue, model=name, piece=piece)
+            self._work.track_wait(wait.future)
         try:
-            if admission.queued:
-                self._queue.put_many(admission.queued)
-                self._work.track(admission.queued)
+            self._queue_admitted(first, feeder)
+            for start in range(piece, len(items), piece):
+                part = items[start : start + piece]
+                assert feeder is not None
+                if not await feeder.ready(len(part), wait.future):
+                    break  # the wait is over: awaiting it raises why
+                admission = admit(part, start, self._clock.now())
+                admissions.append(admission)
+                trace.cache_hits += admission.hits
+                wait.add(admission.futures)
+                self._queue_admitted(admission, feeder)
             await wait.future
         finally:
             wait.close()
-            trace.record(admission.pendings, now)
+            trace.record([p for admission in admissions for p in admission.pendings], now)
             # Computations no other request waits for leave the queue and never run: the
             # client went away, the deadline passed, or another input of the request failed.
-            left = self._queue.discard(self._inputs.release(admission))
+            left = sum(
+                self._queue.discard(self._inputs.release(admission)) for admission in admissions
+            )
             if left:
                 self._metrics.cancelled.labels("queued").inc(left)
-        return [future.result() for future in futures], trace.tokens
+        return [future.result() for a in admissions for future in a.futures], trace.tokens
+
+    def _queue_admitted(self, admission: Admission, feeder: PieceFeeder | None) -> None:
+        if admission.queued:
+            self._queue.put_many(admission.queued)
+            self._work.track(admission.queued)
+            if feeder is not None:
+                feeder.fed(admission.queued)
 
 
 async def tokenize_on(

@@ -108,6 +108,7 @@ class Runtime(RuntimeStart):
         self.requests = RequestPath(
             queue=self.queue, inputs=self.inputs, clock=self.clock, work=self.work,
             tokenizer_thread=self.tokenizer_thread, metrics=self.batching_metrics,
+            piece_items=settings.max_inputs_per_request,
         )  # fmt: skip
         # Wraps the batcher's forward calls, so traces are recorded on the model thread.
         self.profiler = BatchProfiler(Path(settings.profile_dir))
@@ -312,6 +313,7 @@ class Runtime(RuntimeStart):
         truncation_direction: str | None = None,
         client: ClientWatch | None = None,
         dimensions: int | None = None,
+        max_tokens_per_doc: int | None = None,
     ) -> tuple[list[Any], int]:
         """Queue every input as one item of ``model`` (None: the default) and wait for all of
         them; return outputs and tokens. With ``query``, each input is a document paired with
@@ -320,7 +322,8 @@ class Runtime(RuntimeStart):
         from. ``trace``, if given, is filled in with what the request went through. ``client``
         tells when the client has gone: its items then leave the queue and this raises
         ``ClientDisconnected``. ``dimensions`` cuts each embedding to its first values
-        (renormalised when the model normalises). Inputs found in the output cache are
+        (renormalised when the model normalises); ``max_tokens_per_doc`` cuts each document
+        (reranking) to that many tokens. Inputs found in the output cache are
         answered from it, and an input equal to one in flight waits for that one."""
         slot = self._admit(model)
         with self.work.request():
@@ -329,7 +332,7 @@ class Runtime(RuntimeStart):
                 priority=priority, query=query, prompt=prompt,
                 trace=trace if trace is not None else RequestTrace(), client=client,
                 truncation_direction=truncation_direction,
-                dimensions=dimensions,
+                dimensions=dimensions, max_tokens_per_doc=max_tokens_per_doc,
             )  # fmt: skip
 
     def _admit(self, model: str | None) -> ModelSlot:

@@ -231,10 +231,12 @@ def tokenize_inline(
 def prepare_call(
     model: Model, inputs: Sequence[str], *, name: str, truncate: bool, query: str | None,
     prompt: str | None, truncation_direction: str | None = None,
+    max_tokens_per_doc: int | None = None,
 ) -> Callable[[], list[Any]]:  # fmt: skip
     """The tokenization of a request's inputs, to run inline or off the event loop. A model
     whose ``prepare`` takes no ``prompt`` gets the prompt already in front of each text; one
-    that takes no ``truncation_direction`` cannot be asked for one (400). ``name``: the
+    that takes no ``truncation_direction`` (or ``max_tokens_per_doc``) cannot be asked for
+    one (400). ``name``: the
     model's name as served, for that error."""
     prepare = model.prepare_pairs if query is not None else model.prepare  # type: ignore[attr-defined]
     parameters = _parameters(prepare)
@@ -247,6 +249,14 @@ def prepare_call(
                 "truncation_direction out",
             )  # fmt: skip
         options["truncation_direction"] = truncation_direction
+    if max_tokens_per_doc is not None:
+        if "max_tokens_per_doc" not in parameters:
+            raise ApiError(
+                400, "unsupported_parameter",
+                f"model {name!r} cannot cut documents to a token count; leave "
+                "max_tokens_per_doc out",
+            )  # fmt: skip
+        options["max_tokens_per_doc"] = max_tokens_per_doc
     if query is not None:
         if prompt and "prompt" in parameters:
             return functools.partial(prepare, query, inputs, prompt=prompt, **options)

@@ -18,6 +18,9 @@ class WorkTracker:
         self.active_requests = 0
         self._clock = clock or MonotonicClock()
         self._open: set[asyncio.Future[object]] = set()
+        self._waits: set[asyncio.Future[None]] = set()
+        """The waits of requests admitted in pieces (``pieces``): between two pieces such a
+        request may have no open item for ``fail_open`` to end it through."""
         self._idle = asyncio.Event()
         self._idle.set()
         self._admitted = asyncio.Event()  # set by every request; cleared by wait_quiet
@@ -74,13 +77,21 @@ class WorkTracker:
             self._open.add(pending.future)
             pending.future.add_done_callback(self._open.discard)
 
+    def track_wait(self, wait: asyncio.Future[None]) -> None:
+        self._waits.add(wait)
+        wait.add_done_callback(self._waits.discard)
+
     def fail_open(self, error: Exception) -> int:
-        """End every open item future with ``error``; return how many there were."""
+        """End every open item future, and every request admitted in pieces, with ``error``;
+        return how many items there were."""
         failed = 0
         for future in list(self._open):
             if not future.done():
                 future.set_exception(error)
                 failed += 1
+        for wait in list(self._waits):
+            if not wait.done():
+                wait.set_exception(error)
         return failed
 
     async def wait_idle(self, timeout_s: float) -> bool:

@@ -30,7 +30,8 @@ class ClientWatch(Protocol):
 class RequestWait:
     """Settles ``future`` when every one of ``futures`` (one per input) has its result, or
     with the first input's error, ``deadline_error()`` after ``timeout_s``, or
-    ``ClientDisconnected``."""
+    ``ClientDisconnected``. With ``count``, it waits for that many inputs' futures, the rest
+    given to ``add`` later."""
 
     __slots__ = ("_remaining", "_timer", "_unsubscribe", "future")
 
@@ -42,17 +43,23 @@ class RequestWait:
         timeout_s: float,
         deadline_error: Callable[[], BaseException],
         client: ClientWatch | None = None,
+        count: int | None = None,
     ) -> None:
         self.future: asyncio.Future[None] = loop.create_future()
-        self._remaining = len(futures)
-        for future in futures:
-            future.add_done_callback(self._item_done)
+        self._remaining = len(futures) if count is None else count
+        self.add(futures)
         self._timer = loop.call_later(timeout_s, self._expire, deadline_error)
         self._unsubscribe = (
             client.subscribe(lambda: self._settle(ClientDisconnected()))
             if client is not None
             else None
         )
+
+    def add(self, futures: Sequence[asyncio.Future[Any]]) -> None:
+        """Wait for ``futures`` too: a request admitted in pieces adds each piece's as it is
+        admitted, within the ``count`` it was created with."""
+        for future in futures:
+            future.add_done_callback(self._item_done)
 
     def _item_done(self, future: asyncio.Future[Any]) -> None:
         # NOTE: every item's error is retrieved, even once the wait is over, or asyncio logs

@@ -139,6 +139,7 @@ class Settings(
     def server_config(self) -> ServerConfig:
         return ServerConfig(
             max_inputs_per_request=self.max_inputs_per_request,
+            max_rerank_documents=self.max_rerank_documents,
             max_body_bytes=self.max_body_bytes,
             default_timeout_s=self.default_timeout_s,
             max_timeout_s=self.max_timeout_s,
@@ -151,6 +152,7 @@ class Settings(
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     max_inputs_per_request: int
+    max_rerank_documents: int
     max_body_bytes: int
     default_timeout_s: float
     max_timeout_s: float

@@ -31,6 +31,13 @@ class QueueSettings(BaseModel):
         "(and one model's --max-queue-share of it), so that every request can be admitted: "
         "unset, it is lowered to fit them, and the start-up log says so.",
     )
+    max_rerank_documents: int = Field(
+        10_000,
+        ge=1,
+        description="Most documents in one rerank request (/v1/rerank, /v2/rerank); beyond it "
+        "413. Past --max-inputs-per-request they enter the queue --max-inputs-per-request at "
+        "a time, as room frees, batched with other requests' inputs.",
+    )
     deduplicate: bool = Field(
         True,
         description="An input equal to one already queued or running waits for that "
