@@ -30,7 +30,7 @@ from .generative import (
     StepRequest,
     StepResult,
 )
-from .prompts import UnknownPrompt, resolve_prompt
+from .prompts import STANDARD_PROMPT_NAMES, UnknownPrompt, resolve_prompt
 from .spec import BUNDLED_MODEL, ModelSpec, available_cpus
 from .tokenizing import TextTokenizer, Tokens
 
@@ -73,6 +73,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BUNDLED_MODEL",
+    "STANDARD_PROMPT_NAMES",
     "ArchitectureShape",
     "BatchProfiler",
     "CausalLM",

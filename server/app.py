@@ -25,7 +25,7 @@ from .generate import router as generate_router
 from .lean import install_lean_front
 from .metrics_server import serve_metrics
 from .middleware import RequestContextMiddleware
-from .protocols import kserve_v2, openai
+from .protocols import cohere_embed, kserve_v2, openai
 from .rerank import router as rerank_router
 from .routes import metrics_response, router
 from .settings import Settings
@@ -139,7 +139,10 @@ def create_app(
         )  # fmt: skip
 
     install_error_handlers(app)
-    routers = (router, rerank_router, openai.router, generate_router, kserve_v2.router)
+    routers = (
+        router, rerank_router, openai.router, cohere_embed.router, generate_router,
+        kserve_v2.router,
+    )  # fmt: skip
     for included in routers:
         app.include_router(included)
     lean_routes = [r for included in routers for r in included.routes if hasattr(r, "lean_app")]

@@ -11,8 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from sentence_transformers import SentenceTransformer
-from sentence_transformers import quantize_embeddings
+from sentence_transformers import SentenceTransformer, quantize_embeddings
 
 from models import ModelSpec, load_model
 from server.encodings import quantize, to_dtype_bytes
