@@ -32,7 +32,7 @@ from .generative import (
 )
 from .prompts import STANDARD_PROMPT_NAMES, UnknownPrompt, resolve_prompt
 from .spec import BUNDLED_MODEL, ModelSpec, available_cpus
-from .tokenizing import TextTokenizer, Tokens
+from .tokenizing import TextTokenizer, TokenCodec, TokenizedText, Tokens
 
 if TYPE_CHECKING:
     from .causal import CausalLM, load_generator
@@ -103,6 +103,8 @@ __all__ = [
     "StepResult",
     "TextModel",
     "TextTokenizer",
+    "TokenCodec",
+    "TokenizedText",
     "Tokens",
     "UnknownPrompt",
     "available_cpus",

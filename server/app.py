@@ -31,6 +31,7 @@ from .routes import metrics_response, router
 from .settings import Settings
 from .status import ASSETS_URL as STATUS_ASSETS_URL
 from .status import StatusHistory, make_status_router, status_assets
+from .tokens import router as tokens_router
 from .watchdog import loop_watchdog
 
 log = logging.getLogger("batchfit")
@@ -141,7 +142,7 @@ def create_app(
     install_error_handlers(app)
     routers = (
         router, rerank_router, openai.router, cohere_embed.router, generate_router,
-        kserve_v2.router,
+        kserve_v2.router, tokens_router,
     )  # fmt: skip
     for included in routers:
         app.include_router(included)

@@ -1,8 +1,9 @@
 """Which of a replica's routes are the public API: what Nginx (``batchfit up``, docker-compose)
 and the Kubernetes Ingress send to the replicas.
 
-The public API is everything under ``/v1`` and ``/v2``: the native routes, OpenAI's
-``/v1/embeddings`` and KServe v2 (its ``/v2/health/*`` included, which its clients call). The
+The public API is everything under ``/v1`` and ``/v2`` (the native routes, OpenAI's
+``/v1/embeddings``, Cohere's ``/v2/embed`` and KServe v2, its ``/v2/health/*`` included, which
+its clients call) and ``/tokenize`` and ``/detokenize``, at the root as TEI serves them. The
 rest is for operators and probes on each replica directly, never through the front:
 ``/metrics``, ``/health/*``, ``/status``, ``/docs``, ``/redoc``, ``/openapi.json`` and ``/admin``.
 """
@@ -19,7 +20,7 @@ try:
 except ImportError:  # older FastAPI keeps included routers' routes flat in app.routes
     iter_route_contexts = iter  # type: ignore[assignment]
 
-PUBLIC_API_PREFIXES = ("/v1", "/v2")
+PUBLIC_API_PREFIXES = ("/v1", "/v2", "/tokenize", "/detokenize")
 
 
 def is_public_api(path: str) -> bool:
