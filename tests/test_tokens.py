@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from models import BUNDLED_MODEL, ModelSpec, load_model
 from models.loading import resolve_model_path
-from tests.families import TEXTS, build_modernbert
 from tests.fakes import ScriptedModel
+from tests.families import TEXTS, build_modernbert
 from tests.inprocess import serve_in_thread
 
 KEY = "tokens-key"
