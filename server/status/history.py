@@ -22,7 +22,7 @@ from ..middleware import V2_INFER, RequestRecord
 
 INFERENCE_ENDPOINTS = frozenset({
     "/v1/infer", "/v1/embeddings", "/v1/rerank", V2_INFER, "/v1/completions",
-    "/v1/chat/completions", "/v2/embed",
+    "/v1/chat/completions", "/v2/embed", "/tokenize", "/detokenize",
 })  # fmt: skip
 # Cumulative series whose increase over one interval makes a sample's figures.
 _COUNTERS = {
