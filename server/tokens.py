@@ -65,7 +65,7 @@ class TokenizeRequest(BaseModel):
 class TokenizeResponse(BaseModel):
     model: str
     tokens: list[list[int]] = Field(description="Each input's token ids, in order.")
-    offsets: list[list[tuple[int, int]]] | None = Field(
+    offsets: list[list[list[int]]] | None = Field(
         None, description="With return_offsets: each token's [start, end) in its input."
     )
     max_input_tokens: int = Field(description="The most tokens the model reads of an input.")
