@@ -48,6 +48,7 @@ SCHEMA_STATUS = 400  # as Cohere answers a bad request
 
 InputType = Literal["search_document", "search_query", "classification", "clustering", "image"]
 CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
+TRUNCATION_DIRECTIONS = {"START": "left", "END": "right"}
 INPUT_TYPE_PROMPTS = {
     "search_query": "query",  # sentence-transformers' encode_query
     "search_document": "document",  # its encode_document: "document" is always a prompt there
@@ -107,10 +108,11 @@ class CohereEmbedRequest(BaseModel):
         description="Keep the first output_dimension values (Matryoshka), renormalised where "
         "the model normalises; from 1 to the model's output size.",
     )
-    truncate: Literal["NONE", "START", "END"] = Field(
-        "END",
+    truncate: Literal["NONE", "START", "END"] | None = Field(
+        None,
         description="END cuts an over-long input's end, START its start; NONE answers 413 "
-        "input_too_long, naming the model's limit.",
+        "input_too_long, naming the model's limit. Default: the model's own side (GET "
+        "/v1/models: truncation_direction; END, right, for most).",
     )
     priority: int = Field(
         0,
@@ -252,7 +254,7 @@ async def handle_embed(request: Request) -> ASGIApp:
     outputs, num_tokens = await infer_for_request(
         request, texts, request_id=request_id, model=slot.name, timeout_s=header_timeout,
         truncate=body.truncate != "NONE",
-        truncation_direction="left" if body.truncate == "START" else "right",
+        truncation_direction=TRUNCATION_DIRECTIONS.get(body.truncate or ""),
         priority=-min(body.priority, MAX_PRIORITY), prompt_name=prompt_name, prompt=prompt,
         dimensions=body.output_dimension,
     )  # fmt: skip
