@@ -1,6 +1,6 @@
 """``POST /tokenize`` and ``POST /detokenize`` on real uvicorn, per model on a replica serving
-two with different tokenizers (WordPiece, byte-level BPE), against each model's transformers
-tokenizer called directly."""
+three with different tokenizers (WordPiece, byte-level BPE, a generator's), against each
+model's transformers tokenizer called directly."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from models import BUNDLED_MODEL, ModelSpec, load_model
 from models.loading import resolve_model_path
 from tests.fakes import ScriptedModel
 from tests.families import TEXTS, build_modernbert
+from tests.generators import tiny_generator
 from tests.inprocess import serve_in_thread
 
 KEY = "tokens-key"
@@ -20,9 +21,13 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    modernbert = tmp_path_factory.mktemp("tokens") / "modernbert"
-    build_modernbert(modernbert)
-    return {"minilm": resolve_model_path(BUNDLED_MODEL), "modernbert": modernbert}
+    root = tmp_path_factory.mktemp("tokens")
+    build_modernbert(root / "modernbert")
+    generator = tiny_generator(root, "qwen3")
+    return {
+        "minilm": resolve_model_path(BUNDLED_MODEL), "modernbert": root / "modernbert",
+        "generator": generator,
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +38,11 @@ def tokenizers(folders):
 @pytest.fixture(scope="module")
 def server(folders):
     models = {
-        name: load_model(ModelSpec(model=str(folder), device="cpu"))
+        name: load_model(
+            ModelSpec(
+                model=str(folder), device="cpu", task="generate" if name == "generator" else "auto"
+            )
+        )
         for name, folder in folders.items()
     }
     models["scripted"] = ScriptedModel()
@@ -46,7 +55,7 @@ def post(server, path: str, body: dict, headers=HEADERS) -> httpx.Response:
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
-@pytest.mark.parametrize("model", ["minilm", "modernbert"])
+@pytest.mark.parametrize("model", ["minilm", "modernbert", "generator"])
 def test_tokenize_is_the_models_tokenizer(server, tokenizers, model, add_special_tokens):
     body = {"model": model, "inputs": TEXTS, "add_special_tokens": add_special_tokens,
             "return_offsets": True}  # fmt: skip
@@ -78,7 +87,7 @@ def test_the_model_field_picks_the_tokenizer(server):
 
 
 @pytest.mark.parametrize("skip_special_tokens", [False, True])
-@pytest.mark.parametrize("model", ["minilm", "modernbert"])
+@pytest.mark.parametrize("model", ["minilm", "modernbert", "generator"])
 def test_detokenize_is_the_models_decode(server, tokenizers, model, skip_special_tokens):
     tokenizer = tokenizers[model]
     ids = [tokenizer(text)["input_ids"] for text in TEXTS]
