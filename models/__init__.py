@@ -30,9 +30,9 @@ from .generative import (
     StepRequest,
     StepResult,
 )
-from .prompts import UnknownPrompt, resolve_prompt
+from .prompts import STANDARD_PROMPT_NAMES, UnknownPrompt, resolve_prompt
 from .spec import BUNDLED_MODEL, ModelSpec, available_cpus
-from .tokenizing import TextTokenizer, Tokens
+from .tokenizing import TextTokenizer, TokenCodec, TokenizedText, Tokens
 
 if TYPE_CHECKING:
     from .causal import CausalLM, load_generator
@@ -73,6 +73,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BUNDLED_MODEL",
+    "STANDARD_PROMPT_NAMES",
     "ArchitectureShape",
     "BatchProfiler",
     "CausalLM",
@@ -102,6 +103,8 @@ __all__ = [
     "StepResult",
     "TextModel",
     "TextTokenizer",
+    "TokenCodec",
+    "TokenizedText",
     "Tokens",
     "UnknownPrompt",
     "available_cpus",

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 from .base import ModelInfo
 from .generative import GenerationDefaults
+from .tokenizing import TokenCodec
 
 
 class NoChatTemplate(Exception):
@@ -104,6 +105,10 @@ class PromptTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def codec(self) -> TokenCodec:
+        """Token ids of texts as the model reads them, and back."""
+        return TokenCodec(self._tokenizer)
 
     def token_text(self, token_id: int) -> str:
         """One token as text on its own (special tokens included), for log probabilities."""

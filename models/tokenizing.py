@@ -146,6 +146,11 @@ class TextTokenizer:
                 self._prompt_lengths[prompt] = found
         return found
 
+    def codec(self) -> TokenCodec:
+        """Token ids of texts as the model reads them (lowercased where it lowercases), and
+        back."""
+        return TokenCodec(self._full)
+
     def synthetic_items(self, num_items: int, length: int) -> list[Item]:
         """``num_items`` inputs padded to ``length``. NOTE: in a batch of several the last
         is one token shorter, as in a served batch: a batch without padding needs no
@@ -157,6 +162,44 @@ class TextTokenizer:
         if num_items > 1:
             items[-1] = Item(data=Tokens([self._filler_id] * (length - 1)), cost=length - 1)
         return items
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedText:
+    """One text's token ids and each token's character span (``[start, end)``; special tokens
+    the tokenizer adds span ``(0, 0)``)."""
+
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+
+
+class TokenCodec:
+    """Text to token ids and back, as the model's own tokenizer does it (``/tokenize``,
+    ``/detokenize``); no truncation."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def tokenize(
+        self, texts: Sequence[str], *, add_special_tokens: bool = True
+    ) -> list[TokenizedText]:
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [TokenizedText(e.ids, e.offsets) for e in encodings]
+
+    def detokenize(
+        self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool = False
+    ) -> list[str]:
+        """Each id list's text; ids outside the vocabulary raise ``ValueError``."""
+        for sequence in ids:
+            bad = next((i for i in sequence if not 0 <= i < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"token id {bad} is outside the vocabulary (ids 0 to {self.vocab_size - 1})"
+                )
+        return self._tokenizer.decode_batch(
+            [list(sequence) for sequence in ids], skip_special_tokens=skip_special_tokens
+        )
 
 
 def _lowercased(tokenizer_json: str) -> str:

@@ -25,13 +25,14 @@ from .generate import router as generate_router
 from .lean import install_lean_front
 from .metrics_server import serve_metrics
 from .middleware import RequestContextMiddleware
-from .protocols import cohere_rerank, kserve_v2, openai
+from .protocols import cohere_embed, cohere_rerank, kserve_v2, openai
 from .rerank import router as rerank_router
 from .routes import metrics_response, router
 from .settings import Settings
 from .sparse import router as sparse_router
 from .status import ASSETS_URL as STATUS_ASSETS_URL
 from .status import StatusHistory, make_status_router, status_assets
+from .tokens import router as tokens_router
 from .watchdog import loop_watchdog
 
 log = logging.getLogger("batchfit")
@@ -157,7 +158,7 @@ def create_app(
     install_error_handlers(app)
     routers = (
         router, rerank_router, sparse_router, openai.router, cohere_rerank.router,
-        generate_router, kserve_v2.router,
+        cohere_embed.router, generate_router, kserve_v2.router, tokens_router,
     )  # fmt: skip
     for included in routers:
         app.include_router(included)

@@ -52,19 +52,26 @@ _ERROR_TYPES = (
               "an embedder on `/v1/rerank` or `/embed_sparse`, a sparse embedder on "
               "`/v1/embeddings`)"),
     ErrorType("unsupported_parameter", (400,),
-              "a parameter the model cannot honour: `dimensions` for a model that does not "
-              "embed, `top_k` for one that does not classify; on the generation routes an "
+              "a parameter the model cannot honour: `dimensions` or a compact output "
+              "(`embedding_types`, base64 `embed_dtype`) for a model that does not embed, int8 "
+              "or uint8 for one that does not normalise, `top_k` for one that does not "
+              "classify; on the generation routes an "
               "OpenAI parameter Batchfit does not implement (tools, `logit_bias`, penalties, "
               "`suffix`)"),
     ErrorType("unknown_prompt", (400,),
               "`prompt_name` names no prompt of the model (the message lists its prompts)"),
     ErrorType("invalid_dimensions", (400,),
               "`dimensions` outside 1 to the model's output size (`output_dim`)"),
-    ErrorType("unsupported_input", (400,), "token-id arrays instead of text on `/v1/embeddings`"),
+    ErrorType("unsupported_input", (400,),
+              "token-id arrays instead of text on `/v1/embeddings`; images on `/v2/embed`"),
+    ErrorType("no_tokenizer", (400,),
+              "`/tokenize` or `/detokenize` for a model without a tokenizer Batchfit reads (a "
+              "custom model)"),
     ErrorType("invalid_parameter", (400,),
               "a generation parameter out of its range (`n` above 8, `logprobs` or "
               "`top_logprobs` above 5, more than 4 `stop` strings), an unknown chat role, "
-              "a token id outside the vocabulary; the message names the limit and the value"),
+              "a token id outside the vocabulary (also on `/detokenize`); the message names "
+              "the limit and the value"),
     ErrorType("context_length_exceeded", (400,),
               "a prompt as long as the generator's context, or the prompt and `max_tokens` "
               "together past it"),

@@ -21,7 +21,8 @@ _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 COUNTED_ENDPOINTS = frozenset(
     {
         "/v1/infer", "/v1/models", "/v1/embeddings", "/v1/rerank", "/v1/completions",
-        "/v1/chat/completions", "/embed_sparse", "/v2/rerank",
+        "/v1/chat/completions", "/embed_sparse", "/v2/rerank", "/v2/embed", "/tokenize",
+        "/detokenize",
     }
 )  # fmt: skip
 V2_INFER = "/v2/models/{name}/infer"

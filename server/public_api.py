@@ -1,9 +1,10 @@
 """Which of a replica's routes are the public API: what Nginx (``batchfit up``, docker-compose)
 and the Kubernetes Ingress send to the replicas.
 
-The public API is everything under ``/v1`` and ``/v2``: the native routes, OpenAI's
-``/v1/embeddings`` and KServe v2 (its ``/v2/health/*`` included, which its clients call);
-and text-embeddings-inference's routes at the root, each by its exact path. The
+The public API is everything under ``/v1`` and ``/v2`` (the native routes, OpenAI's
+``/v1/embeddings``, Cohere's ``/v2/embed`` and ``/v2/rerank`` and KServe v2, its
+``/v2/health/*`` included, which its clients call), and text-embeddings-inference's routes at
+the root (``/embed_sparse``, ``/tokenize``, ``/detokenize``), each by its exact path. The
 rest is for operators and probes on each replica directly, never through the front:
 ``/metrics``, ``/health/*``, ``/status``, ``/docs``, ``/redoc``, ``/openapi.json`` and ``/admin``.
 """
@@ -21,7 +22,7 @@ except ImportError:  # older FastAPI keeps included routers' routes flat in app.
     iter_route_contexts = iter  # type: ignore[assignment]
 
 PUBLIC_API_PREFIXES = ("/v1", "/v2")
-PUBLIC_API_PATHS = ("/embed_sparse",)
+PUBLIC_API_PATHS = ("/embed_sparse", "/tokenize", "/detokenize")
 """Public routes outside the prefixes, where their protocol puts them: only these paths."""
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
+from .encodings import FLOATS, check_encoding, encode_embeddings, one_embedding_type
 from .errors import (
     ApiError,
     draining,
@@ -171,6 +172,10 @@ async def handle_infer(request: Request) -> ASGIApp:
     check_inputs(runtime, inputs)
     check_dimensions(slot.info, body.dimensions, name=slot.name)
     check_top_k(slot.info, body.top_k, name=slot.name)
+    encoding = check_encoding(
+        slot.info, slot.name, kind=one_embedding_type(body.embedding_types),
+        encoding_format=body.encoding_format, embed_dtype=body.embed_dtype,
+    )  # fmt: skip
     asked = [t for t in (body.timeout_s, header_timeout) if t is not None]
     timeout_s = min(asked, default=runtime.config.default_timeout_s)
     outputs, num_tokens = await infer_for_request(
@@ -180,6 +185,8 @@ async def handle_infer(request: Request) -> ASGIApp:
         truncation_direction=body.truncation_direction,
     )  # fmt: skip
     outputs = shape_outputs(slot.info, outputs, top_k=body.top_k)
+    if encoding != FLOATS:
+        outputs = encode_embeddings(outputs, encoding)
     return JsonAnswer(encode_infer_answer(slot.name, outputs, num_tokens, request_id))
 
 

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 MIN_PRIORITY, MAX_PRIORITY = -10, 10
+EmbeddingTypeName = Literal["float", "int8", "uint8", "binary", "ubinary"]
 # What the route accepts, stricter than the Python type says: empty strings and an empty list
 # are refused by the route itself (400 empty_input), so the schema documents them as invalid.
 _TEXT = {"type": "string", "minLength": 1}
@@ -75,6 +76,22 @@ class InferRequest(BaseModel):
         description="Classifiers: each output becomes a list of the top_k best "
         "{label, score}, best first (at most the number of labels); without it, the best one.",
     )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float",
+        description="Embedding models: float, lists of numbers; base64, each embedding's "
+        "little-endian bytes (float32 unless embed_dtype says otherwise; a quantized type's "
+        "own bytes).",
+    )
+    embed_dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
+        None, description="With base64: the bytes' type, float32 (default), float16 or bfloat16."
+    )
+    embedding_types: EmbeddingTypeName | list[EmbeddingTypeName] | None = Field(
+        None,
+        description="Embedding models: float (default); binary or ubinary, the sign bits "
+        "packed 8 to a byte (as int8 or uint8 numbers), as sentence-transformers' "
+        "quantize_embeddings packs them; int8 or uint8 over the range -1 to 1 (models that "
+        "normalise). A string or a list of one.",
+    )
 
 
 class Usage(BaseModel):
@@ -94,11 +111,9 @@ class SparseOutput(BaseModel):
 class InferResponse(BaseModel):
     model: str
     outputs: (
-        list[list[float]]
-        | list[ClassificationOutput]
-        | list[list[ClassificationOutput]]
-        | list[SparseOutput]
-    )
+        list[list[float]] | list[list[int]] | list[str] | list[ClassificationOutput]
+        | list[list[ClassificationOutput]] | list[SparseOutput]
+    )  # fmt: skip
     usage: Usage
     request_id: str
 

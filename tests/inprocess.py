@@ -40,11 +40,12 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serve_in_thread(model, **settings) -> Iterator[LiveServer]:
+def serve_in_thread(model, *, models=None, **settings) -> Iterator[LiveServer]:
+    """``model``, or several by name (``models``), served with ``settings``."""
     registry = CollectorRegistry()
     # A scripted model has no real memory to size batches by: a fixed budget, unless asked.
     resolved = Settings(**{"sizer": "fixed", **settings})
-    app = create_app(resolved, model=model, registry=registry)
+    app = create_app(resolved, model=model, models=models, registry=registry)
     port = free_port()
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="on",

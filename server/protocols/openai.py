@@ -6,11 +6,9 @@ Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, 
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Callable
 from typing import Any, Literal
 
-import numpy as np
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +18,14 @@ from starlette.types import ASGIApp
 
 from models import UnknownPrompt
 
+from ..encodings import (
+    EmbeddingType,
+    EmbedDtype,
+    Encoding,
+    check_encoding,
+    encode_embeddings,
+    one_embedding_type,
+)
 from ..errors import ApiError, draining, request_id_of
 from ..inference import (
     check_dimensions,
@@ -52,7 +58,20 @@ class EmbeddingRequest(BaseModel):
     )
     model: str = Field(description="The served model's name, as GET /v1/models lists it.")
     encoding_format: Literal["float", "base64"] = Field(
-        "float", description="float: lists of numbers; base64: little-endian float32 bytes."
+        "float",
+        description="float: lists of numbers; base64: each embedding's little-endian bytes "
+        "(float32 unless embed_dtype says otherwise; a quantized type's own bytes).",
+    )
+    embed_dtype: EmbedDtype | None = Field(
+        None,
+        description="Not in OpenAI's API: with base64, the bytes' type: float32 (default), "
+        "float16 or bfloat16, as vLLM's embed_dtype.",
+    )
+    embedding_types: EmbeddingType | list[EmbeddingType] | None = Field(
+        None,
+        description="Not in OpenAI's API: one of float (default), binary and ubinary (sign "
+        "bits packed 8 to a byte, as int8 or uint8 numbers), int8 and uint8 (models that "
+        "normalise only); a string or a list of one.",
     )
     dimensions: int | None = Field(
         None,
@@ -75,7 +94,7 @@ class EmbeddingRequest(BaseModel):
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | str
+    embedding: list[float] | list[int] | str
 
 
 class EmbeddingUsage(BaseModel):
@@ -198,6 +217,7 @@ async def handle_embeddings(request: Request) -> ASGIApp:
         check_dimensions(slot.info, body.dimensions, name=slot.name)
     except ApiError as exc:
         raise ParamError(exc.status, exc.error_type, exc.message, "dimensions") from None
+    encoding = _encoding(slot, body)
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if any(not isinstance(text, str) for text in inputs):
         raise ParamError(
@@ -212,20 +232,35 @@ async def handle_embeddings(request: Request) -> ASGIApp:
         )  # fmt: skip
     except UnknownPrompt as exc:
         raise ParamError(400, "unknown_prompt", str(exc), "prompt_name") from None
-    return JsonAnswer(encode_embeddings(slot.name, outputs, num_tokens, body.encoding_format))
+    return JsonAnswer(encode_openai_embeddings(slot.name, outputs, num_tokens, encoding))
 
 
-def encode_embeddings(model: str, outputs: list[Any], num_tokens: int, encoding: str) -> bytes:
-    """float: each vector written by orjson from its float32 buffer; base64: the buffer's
-    little-endian bytes, encoded without a copy."""
-    data = []
-    for index, output in enumerate(outputs):
-        vector = np.asarray(output, dtype="<f4")
-        if encoding == "base64":
-            embedding: Any = base64.b64encode(np.ascontiguousarray(vector).data).decode("ascii")
-        else:
-            embedding = vector
-        data.append({"object": "embedding", "index": index, "embedding": embedding})
+def _encoding(slot: Any, body: EmbeddingRequest) -> Encoding:
+    """The request's output encoding (``server/encodings.py``), its errors naming the field."""
+    try:
+        kind = one_embedding_type(body.embedding_types, schema_status=SCHEMA_STATUS)
+    except ApiError as exc:
+        raise ParamError(exc.status, exc.error_type, exc.message, "embedding_types") from None
+    try:
+        return check_encoding(
+            slot.info, slot.name, kind=kind, encoding_format=body.encoding_format,
+            embed_dtype=body.embed_dtype, schema_status=SCHEMA_STATUS,
+        )  # fmt: skip
+    except ApiError as exc:
+        param = "embed_dtype" if exc.error_type == "invalid_request" else "embedding_types"
+        raise ParamError(exc.status, exc.error_type, exc.message, param) from None
+
+
+def encode_openai_embeddings(
+    model: str, outputs: list[Any], num_tokens: int, encoding: Encoding
+) -> bytes:
+    """float: each vector written by orjson from its float32 buffer; base64: its bytes in the
+    encoding's dtype; quantized types as lists of ints (or their bytes in base64)."""
+    embeddings = encode_embeddings(outputs, encoding)
+    data = [
+        {"object": "embedding", "index": index, "embedding": embedding}
+        for index, embedding in enumerate(embeddings)
+    ]
     payload = {
         "object": "list",
         "data": data,

@@ -22,7 +22,8 @@ from ..middleware import V2_INFER, RequestRecord
 
 INFERENCE_ENDPOINTS = frozenset({
     "/v1/infer", "/v1/embeddings", "/v1/rerank", V2_INFER, "/v1/completions",
-    "/v1/chat/completions", "/embed_sparse", "/v2/rerank",
+    "/v1/chat/completions", "/embed_sparse", "/v2/rerank", "/v2/embed", "/tokenize",
+    "/detokenize",
 })  # fmt: skip
 # Cumulative series whose increase over one interval makes a sample's figures.
 _COUNTERS = {

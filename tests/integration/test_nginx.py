@@ -60,6 +60,10 @@ EXAMPLE_BODIES = {
     ("POST", "/v1/embeddings"): {"input": "hi", "model": BUNDLED_MODEL},
     ("POST", "/v2/models/{name:path}/infer"): V2_BODY,
     ("POST", "/v2/models/{name:path}/versions/{version}/infer"): V2_BODY,
+    ("POST", "/v2/embed"): {"texts": ["hi"], "input_type": "search_query",
+                            "embedding_types": ["float", "ubinary"]},
+    ("POST", "/tokenize"): {"inputs": ["hi there"], "return_offsets": True},
+    ("POST", "/detokenize"): {"ids": [101, 7592, 102]},
 }  # fmt: skip
 
 
@@ -68,7 +72,7 @@ def concrete(path: str) -> str:
 
 
 def test_every_public_api_route_reaches_a_replica_through_nginx(cluster):
-    """Every route the app serves under /v1 and /v2 (read from the app itself, so a new one is
+    """Every route of the public API the app serves (read from the app itself, so a new one is
     covered too) answers through Nginx as the replica answers it directly, and Nginx's access
     log shows a replica answered."""
     routes = [(method, route.path) for route in public_api_routes(create_app(Settings()))

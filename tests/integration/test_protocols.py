@@ -88,7 +88,7 @@ def test_openai_client_single_string(client, native):
     [
         ({"dimensions": 385}, openai.BadRequestError, 400, "invalid_dimensions", "dimensions"),
         ({"dimensions": 0}, openai.BadRequestError, 400, "invalid_dimensions", "dimensions"),
-        ({"extra_body": {"prompt_name": "query"}}, openai.BadRequestError, 400, "unknown_prompt",
+        ({"extra_body": {"prompt_name": "title"}}, openai.BadRequestError, 400, "unknown_prompt",
          "prompt_name"),
         ({"model": "text-embedding-3-small"}, openai.NotFoundError, 404, "model_not_found",
          "model"),
