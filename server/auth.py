@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import ApiError, error_response
-from .protocols.cohere_embed import COHERE_PATHS, cohere_error_response
+from .protocols.cohere_errors import COHERE_PATHS, cohere_error_response
 from .protocols.kserve_v2 import v2_error_response
 from .protocols.openai import openai_error_response
 
@@ -34,8 +34,8 @@ def is_open(path: str) -> bool:
 
 def unauthorized(request: Request, error: ApiError) -> Response:
     """The 401 in the error shape of the route asked for: OpenAI's on ``/v1/embeddings``,
-    Cohere's on ``/v2/embed``, KServe v2's elsewhere under ``/v2``, ours elsewhere;
-    ``WWW-Authenticate: Bearer`` in each."""
+    Cohere's on ``/v2/embed`` and ``/v2/rerank``, KServe v2's elsewhere under ``/v2``, ours
+    elsewhere; ``WWW-Authenticate: Bearer`` in each."""
     path, root = request.scope["path"], request.scope.get("root_path", "")
     if root and path.startswith(root):
         path = path[len(root) :]  # as the routes see it under a root path

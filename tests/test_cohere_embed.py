@@ -186,7 +186,7 @@ def test_errors_in_cohere_shape(client, kwargs, status, error_type):
         client.embed(**arguments)
     assert info.value.status_code == status
     assert info.value.body["error_type"] == error_type
-    assert info.value.body["message"] and info.value.body["request_id"]
+    assert info.value.body["message"] and info.value.body["id"]
 
 
 def test_a_wrong_key_is_a_cohere_401(server):

@@ -23,9 +23,9 @@ BODIES = {
 def assert_cohere_error(response, status, error_type):
     assert response.status_code == status, response.text
     body = response.json()
-    assert set(body) == {"message", "error_type", "request_id"}
+    assert set(body) == {"id", "message", "error_type"}
     assert body["error_type"] == error_type and body["message"]
-    assert body["request_id"] == response.headers["x-request-id"]
+    assert body["id"] == response.headers["x-request-id"]
     return body
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import orjson
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from starlette.responses import Response
@@ -39,11 +38,10 @@ from ..lean import (
 )
 from ..routes import timeout_header
 from ..schemas import MAX_PRIORITY
-from .routes import protocol_route, protocol_validation, retry_headers
+from .cohere_errors import cohere_error_response
+from .routes import protocol_route, protocol_validation
 
 EMBED_PATH = "/v2/embed"
-COHERE_PATHS = frozenset({EMBED_PATH})
-"""The paths whose errors (a 401 included) read as Cohere's."""
 SCHEMA_STATUS = 400  # as Cohere answers a bad request
 
 InputType = Literal["search_document", "search_query", "classification", "clustering", "image"]
@@ -144,19 +142,6 @@ class CohereError(BaseModel):
     message: str
     error_type: str
     request_id: str
-
-
-def cohere_error_response(request: Request, error: ApiError) -> Response:
-    request.state.error_type = error.error_type
-    body = {
-        "message": error.message,
-        "error_type": error.error_type,
-        "request_id": request_id_of(request),
-    }
-    return Response(
-        orjson.dumps(body), status_code=error.status, headers=retry_headers(error),
-        media_type="application/json",
-    )  # fmt: skip
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {

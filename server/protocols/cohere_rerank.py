@@ -12,19 +12,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WithJsonSchema
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
-from ..errors import ApiError, request_id_of
+from ..errors import ApiError
 from ..lean import JsonAnswer, encode_json, lean_route, parse_body
 from ..rerank import Ranking, TimeoutParameter, rank_documents
 from ..routes import read_json_request
 from ..schemas import MIN_PRIORITY
-from .routes import describe, retry_headers
+from .cohere_errors import cohere_error_response
+from .routes import describe
 
 ENDPOINT = "/v2/rerank"
 # Schema errors are 400 here, as Cohere answers them.
@@ -110,17 +110,6 @@ class CohereErrorBody(BaseModel):
     id: str
     message: str
     error_type: str
-
-
-def cohere_error_response(request: Request, error: ApiError) -> Response:
-    request.state.error_type = error.error_type
-    body = {"id": request_id_of(request), "message": error.message, "error_type": error.error_type}
-    return Response(
-        orjson.dumps(body),
-        status_code=error.status,
-        headers=retry_headers(error),
-        media_type="application/json",
-    )
 
 
 def cohere_validation(exc: RequestValidationError) -> ApiError:
