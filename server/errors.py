@@ -20,7 +20,7 @@ from batching import (
     QueueFull,
     ShuttingDown,
 )
-from models import InputTooLong, UnknownPrompt
+from models import InputTooLong, InvalidSpan, UnknownPrompt
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +51,18 @@ _ERROR_TYPES = (
               "the model does another task than the endpoint serves (a reranker on `/v1/infer`, "
               "an embedder on `/v1/rerank`)"),
     ErrorType("unsupported_parameter", (400,),
-              "a parameter the model cannot honour: `dimensions` for a model that does not "
-              "embed, `top_k` for one that does not classify; on the generation routes an "
-              "OpenAI parameter Batchfit does not implement (tools, `logit_bias`, penalties, "
-              "`suffix`)"),
+              "a parameter the model cannot honour: `dimensions`, `late_chunks` or `truncate: "
+              "chunk` for a model that does not embed, `top_k` for one that does not "
+              "classify; on the generation routes an OpenAI parameter Batchfit does not "
+              "implement (tools, `logit_bias`, penalties, `suffix`)"),
     ErrorType("unknown_prompt", (400,),
               "`prompt_name` names no prompt of the model (the message lists its prompts)"),
     ErrorType("invalid_dimensions", (400,),
               "`dimensions` outside 1 to the model's output size (`output_dim`)"),
+    ErrorType("invalid_late_chunks", (400,),
+              "`late_chunks` that do not fit the inputs: not one list of `[start_char, "
+              "end_char]` per input, a span outside its text or covering none of its tokens, "
+              "or late chunks with `truncate: chunk`"),
     ErrorType("unsupported_input", (400,), "token-id arrays instead of text on `/v1/embeddings`"),
     ErrorType("invalid_parameter", (400,),
               "a generation parameter out of its range (`n` above 8, `logprobs` or "
@@ -86,7 +90,8 @@ _ERROR_TYPES = (
               (REPLICA, NGINX)),
     ErrorType("too_many_inputs", (413,), "more inputs than `--max-inputs-per-request`"),
     ErrorType("input_too_long", (413,),
-              "with `truncate: false`, an input longer than the model's maximum"),
+              "with `truncate: none` (or `false`, or `--truncate none`), or with `late_chunks`, "
+              "an input longer than the model's maximum; the message names that maximum"),
     ErrorType("unsupported_media_type", (415,), "a body declared as something other than JSON"),
     ErrorType("invalid_request", (422, 400),
               "schema errors: wrong types, unknown fields, `timeout_s` not a positive finite "
@@ -198,6 +203,8 @@ def to_api_error(exc: BaseException) -> ApiError:
             return ApiError(413, "input_too_long", str(exc))
         case UnknownPrompt():
             return ApiError(400, "unknown_prompt", str(exc))
+        case InvalidSpan():
+            return ApiError(400, "invalid_late_chunks", str(exc))
         case DeadlineExceeded():
             return ApiError(504, "deadline_exceeded", str(exc))
         case OutOfMemory():

@@ -37,6 +37,8 @@ from ..lean import (
     read_body,
     require_json_media_type,
 )
+from ..long_inputs import TRUNCATE_DESCRIPTION, TruncateMode
+from ..schemas import LateChunks
 from .routes import describe, protocol_route, retry_headers
 
 # Schema errors are 400 here, as OpenAI answers them.
@@ -70,12 +72,27 @@ class EmbeddingRequest(BaseModel):
         description='Not in OpenAI\'s API: a literal prompt put in front of every input ("" for '
         "none), instead of a named one.",
     )
+    truncate: bool | TruncateMode | None = Field(
+        None, description=f"Not in OpenAI's API: {TRUNCATE_DESCRIPTION}"
+    )
+    late_chunks: LateChunks | None = Field(
+        None,
+        description="Not in OpenAI's API: character spans, as on /v1/infer. data then holds "
+        "one embedding per span, in input order then span order; each says its input_index "
+        "and chunk_index.",
+    )
 
 
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
     embedding: list[float] | str
+    input_index: int | None = Field(
+        None, description="With late_chunks only: the input this span's embedding is of."
+    )
+    chunk_index: int | None = Field(
+        None, description="With late_chunks only: the span's place in that input's list."
+    )
 
 
 class EmbeddingUsage(BaseModel):
@@ -209,23 +226,43 @@ async def handle_embeddings(request: Request) -> ASGIApp:
         outputs, num_tokens = await infer_for_request(
             request, inputs, request_id=request_id_of(request), model=slot.name,
             prompt_name=body.prompt_name, prompt=body.prompt, dimensions=body.dimensions,
+            truncate=body.truncate, late_chunks=body.late_chunks, schema_status=SCHEMA_STATUS,
         )  # fmt: skip
     except UnknownPrompt as exc:
         raise ParamError(400, "unknown_prompt", str(exc), "prompt_name") from None
-    return JsonAnswer(encode_embeddings(slot.name, outputs, num_tokens, body.encoding_format))
+    except ApiError as exc:
+        if exc.error_type != "invalid_late_chunks":
+            raise
+        raise ParamError(exc.status, exc.error_type, exc.message, "late_chunks") from None
+    late = body.late_chunks is not None
+    return JsonAnswer(
+        encode_embeddings(slot.name, outputs, num_tokens, body.encoding_format, late=late)
+    )
 
 
-def encode_embeddings(model: str, outputs: list[Any], num_tokens: int, encoding: str) -> bytes:
+def encode_embeddings(
+    model: str, outputs: list[Any], num_tokens: int, encoding: str, *, late: bool = False
+) -> bytes:
     """float: each vector written by orjson from its float32 buffer; base64: the buffer's
-    little-endian bytes, encoded without a copy."""
+    little-endian bytes, encoded without a copy. ``late``: each output is a list of vectors
+    (late chunks), each its own embedding object."""
     data = []
-    for index, output in enumerate(outputs):
+    vectors: list[tuple[Any, dict[str, int]]] = (
+        [
+            (row, {"input_index": i, "chunk_index": j})
+            for i, output in enumerate(outputs)
+            for j, row in enumerate(output)
+        ]
+        if late
+        else [(output, {}) for output in outputs]
+    )
+    for index, (output, where) in enumerate(vectors):
         vector = np.asarray(output, dtype="<f4")
         if encoding == "base64":
             embedding: Any = base64.b64encode(np.ascontiguousarray(vector).data).decode("ascii")
         else:
             embedding = vector
-        data.append({"object": "embedding", "index": index, "embedding": embedding})
+        data.append({"object": "embedding", "index": index, "embedding": embedding, **where})
     payload = {
         "object": "list",
         "data": data,
