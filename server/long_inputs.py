@@ -6,14 +6,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any
+
+from pydantic import PlainValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from models import Item, ModelInfo, Span, Windows, pool_windows, truncate_dimensions
 
 from .errors import ApiError
 
-TruncateMode = Literal["end", "start", "none", "chunk"]
 TRUNCATE_MODES: tuple[str, ...] = ("end", "start", "none", "chunk")
+
+
+def _truncate_value(value: Any) -> bool | str | None:
+    if (
+        value is None
+        or isinstance(value, bool)
+        or (isinstance(value, str) and value in TRUNCATE_MODES)
+    ):
+        return value
+    raise PydanticCustomError(
+        "truncate_mode", "Input should be true, false, 'end', 'start', 'none' or 'chunk'"
+    )
+
+
+Truncate = Annotated[
+    bool | str | None,
+    PlainValidator(_truncate_value),
+    WithJsonSchema({"anyOf": [{"type": "boolean"}, {"enum": list(TRUNCATE_MODES)}]}),
+]
+"""A request's ``truncate`` field, with one clear message for a wrong value."""
 TRUNCATE_DESCRIPTION = (
     "What an input longer than the model's maximum becomes: end cuts its end, start its "
     "start, none refuses it (413 input_too_long, naming the model's limit), chunk cuts it "

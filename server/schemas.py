@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from .long_inputs import LATE_CHUNKS_DESCRIPTION, TRUNCATE_DESCRIPTION, TruncateMode
+from .long_inputs import LATE_CHUNKS_DESCRIPTION, TRUNCATE_DESCRIPTION, Truncate
 
 MIN_PRIORITY, MAX_PRIORITY = -10, 10
 # What the route accepts, stricter than the Python type says: empty strings and an empty list
@@ -25,7 +25,7 @@ class InferRequest(BaseModel):
     inputs: Annotated[str | list[str], WithJsonSchema(INPUTS_SCHEMA)] = Field(
         description="One text or a list of texts; no empty ones (400 empty_input)."
     )
-    truncate: bool | TruncateMode | None = Field(None, description=TRUNCATE_DESCRIPTION)
+    truncate: Truncate = Field(None, description=TRUNCATE_DESCRIPTION)
     late_chunks: LateChunks | None = Field(None, description=LATE_CHUNKS_DESCRIPTION)
     truncation_direction: Literal["right", "left"] | None = Field(
         None,

@@ -36,6 +36,7 @@ from ..lean import (
     read_body,
     require_json_media_type,
 )
+from ..long_inputs import TRUNCATE_MODES
 from ..runtime import ModelSlot
 from .kserve_schemas import (
     HEADER_LENGTH,
@@ -250,7 +251,7 @@ async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
     parameters = infer_request.parameters or {}
     truncate = parameters.get("truncate")
     timeout_s = parameters.get("timeout_s")
-    if truncate is not None and not isinstance(truncate, bool | str):
+    if truncate is not None and not isinstance(truncate, bool) and truncate not in TRUNCATE_MODES:
         raise ApiError(
             400, "invalid_request",
             "parameter truncate must be a boolean or one of end, start, none, chunk",

@@ -37,7 +37,7 @@ from ..lean import (
     read_body,
     require_json_media_type,
 )
-from ..long_inputs import TRUNCATE_DESCRIPTION, TruncateMode
+from ..long_inputs import TRUNCATE_DESCRIPTION, Truncate
 from ..schemas import LateChunks
 from .routes import describe, protocol_route, retry_headers
 
@@ -72,9 +72,7 @@ class EmbeddingRequest(BaseModel):
         description='Not in OpenAI\'s API: a literal prompt put in front of every input ("" for '
         "none), instead of a named one.",
     )
-    truncate: bool | TruncateMode | None = Field(
-        None, description=f"Not in OpenAI's API: {TRUNCATE_DESCRIPTION}"
-    )
+    truncate: Truncate = Field(None, description=f"Not in OpenAI's API: {TRUNCATE_DESCRIPTION}")
     late_chunks: LateChunks | None = Field(
         None,
         description="Not in OpenAI's API: character spans, as on /v1/infer. data then holds "
