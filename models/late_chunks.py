@@ -1,10 +1,10 @@
 """Late chunking inside the forward pass: the rows of a batch whose items carry spans become
-one row per span, masked to that span's tokens, so the model's own postprocess (its pooling,
+one row per span, that span's token states, so the model's own postprocess (its pooling,
 Dense layers and normalisation) pools each span from the document's single pass."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -28,40 +28,51 @@ class SpanRows:
         spans = tuple(getattr(item.data, "spans", None) for item in items)
         return None if all(s is None for s in spans) else cls(spans)
 
-    def expand(
-        self, hidden: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor
-    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """The token states, attention mask and prompt lengths with a row per span (an item
-        without spans keeps its one row): what the postprocess reads instead."""
-        rows: list[int] = []
-        masks = []
-        lengths = []
-        for row, spans in enumerate(self.spans):
-            if spans is None:
-                rows.append(row)
-                masks.append(attention_mask[row])
-                lengths.append(prompt_lengths[row])
-                continue
-            for start, end in spans:
-                mask = torch.zeros_like(attention_mask[row])
-                mask[start:end] = 1
-                rows.append(row)
-                masks.append(mask)
-                lengths.append(torch.zeros_like(prompt_lengths[row]))  # spans skip the prompt
-        index = torch.tensor(rows, device=hidden.device)
-        output = SimpleNamespace(last_hidden_state=hidden.index_select(0, index))
-        return output, torch.stack(masks), torch.stack(lengths)
+    def pool(
+        self, postprocess: Any, hidden: torch.Tensor, attention_mask: torch.Tensor,
+        prompt_lengths: torch.Tensor,
+    ) -> list[Any]:  # fmt: skip
+        """One output per item: the usual one for an item without spans, a ``spans x dim``
+        array for one with spans, each span's tokens pooled by ``postprocess`` as a row of
+        their own (its first token the row's first, as pooling reads it).
 
-    def regroup(self, results: Sequence[Any]) -> list[Any]:
-        """The postprocess's rows back as one output per item: a ``spans x dim`` array for an
-        item with spans."""
+        NOTE: the span rows are cut from the token states and padded only to the longest
+        span, in groups no larger than the batch itself: a request of many overlapping
+        spans costs time, never more memory than its own batch already holds."""
+        plain = [row for row, spans in enumerate(self.spans) if spans is None]
+        results: list[Any] = []
+        if plain:
+            index = torch.tensor(plain, device=hidden.device)
+            rows = SimpleNamespace(last_hidden_state=hidden.index_select(0, index))
+            results = list(
+                postprocess(rows, attention_mask.index_select(0, index),
+                            prompt_lengths.index_select(0, index))
+            )  # fmt: skip
+        pieces = [
+            (row, start, end)
+            for row, spans in enumerate(self.spans)
+            if spans is not None
+            for start, end in spans
+        ]
+        width = max(end - start for _, start, end in pieces)
+        group = max(1, hidden.shape[0] * hidden.shape[1] // width)
+        pooled: list[Any] = []
+        for first in range(0, len(pieces), group):
+            chunk = pieces[first : first + group]
+            local = hidden.new_zeros((len(chunk), width, hidden.shape[-1]))
+            mask = attention_mask.new_zeros((len(chunk), width))
+            for k, (row, start, end) in enumerate(chunk):
+                local[k, : end - start] = hidden[row, start:end]
+                mask[k, : end - start] = 1
+            lengths = prompt_lengths.new_zeros(len(chunk))  # spans leave the prompt out
+            pooled += list(postprocess(SimpleNamespace(last_hidden_state=local), mask, lengths))
+        return self._regroup(iter(results), iter(pooled))
+
+    def _regroup(self, plain: Iterator[Any], pooled: Iterator[Any]) -> list[Any]:
         outputs: list[Any] = []
-        position = 0
         for spans in self.spans:
             if spans is None:
-                outputs.append(results[position])
-                position += 1
+                outputs.append(next(plain))
             else:
-                outputs.append(np.stack(results[position : position + len(spans)]))
-                position += len(spans)
+                outputs.append(np.stack([next(pooled) for _ in spans]))
         return outputs

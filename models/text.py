@@ -166,12 +166,10 @@ class TextModel:
                 if spans is None:
                     results = self._postprocess(output, attention_mask, prompt_lengths)
                 else:  # late chunks: one row per span, pooled over the span's tokens
-                    output, attention_mask, prompt_lengths = spans.expand(
-                        output.last_hidden_state, attention_mask, prompt_lengths
-                    )
-                    results = spans.regroup(
-                        self._postprocess(output, attention_mask, prompt_lengths)
-                    )
+                    results = spans.pool(
+                        self._postprocess, output.last_hidden_state, attention_mask,
+                        prompt_lengths,
+                    )  # fmt: skip
                 del output
         except Exception as exc:
             error = translate_error(exc)

@@ -130,6 +130,12 @@ def late_chunks_of(
     for index, (spans, text) in enumerate(zip(per_input, inputs, strict=True)):
         if not spans:
             raise ApiError(400, "invalid_late_chunks", f"late_chunks of input {index} is empty")
+        if len(spans) > info.max_input_tokens:  # more spans than the input can have tokens
+            raise ApiError(
+                400, "invalid_late_chunks",
+                f"input {index} has {len(spans)} late chunks, more than the model's maximum "
+                f"of {info.max_input_tokens} tokens",
+            )  # fmt: skip
         for span in spans:
             if not _is_span(span, len(text)):
                 raise ApiError(

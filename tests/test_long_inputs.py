@@ -132,6 +132,7 @@ def test_truncate_refuses_an_unknown_mode_and_a_contradiction():
 
 class _Info:
     task = "embed"
+    max_input_tokens = 8
 
 
 def test_late_chunks_read_flat_for_a_lone_input_and_nested_for_several():
@@ -150,6 +151,7 @@ def test_late_chunks_read_flat_for_a_lone_input_and_nested_for_several():
         ([[2, 2]], ["abc"], "start < end"),
         ([[0, 1, 2]], ["abc"], "start_char, end_char"),
         ([[[0, 1]], []], ["a", "b"], "input 1 is empty"),
+        ([[0, 1]] * 9, ["a"], "9 late chunks, more than the model's maximum of 8"),
     ],
 )
 def test_late_chunks_that_do_not_fit_the_inputs_are_refused(late_chunks, inputs, message):
@@ -267,3 +269,12 @@ def test_late_chunks_after_a_prompt_count_from_the_input(minilm, st_model):
     shifted = [(s + len("query: "), e + len("query: ")) for s, e in SPANS[:1]]
     reference = late_reference(st_model, "query: " + DOC, shifted)
     assert float(vectors[0] @ reference[0]) > 0.9999
+
+
+def test_many_overlapping_spans_are_pooled_in_groups_each_as_alone(minilm, st_model):
+    # 21 tokens and spans up to the whole text: a group holds one span (a batch's worth).
+    spans = [(0, end) for end in range(3, len(DOC) + 1, 4)] + [(0, len(DOC))]
+    (item,) = minilm.prepare([DOC], truncate=False, late_chunks=[spans])
+    (vectors,) = minilm.forward([item])
+    reference = late_reference(st_model, DOC, spans)
+    np.testing.assert_array_less(0.9999, np.sum(vectors * reference, axis=1))
