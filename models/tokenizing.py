@@ -113,10 +113,11 @@ class TextTokenizer:
             trail = next((i for i, flag in enumerate(reversed(special)) if not flag), 0)
             # The prompt goes in front of every window: the text's own tokens are cut.
             content = self._content(text[len(prompt) :]) if prompt else ids[lead : len(ids) - trail]
-            windows = cut_windows(
-                content, prefix=[*ids[:lead], *prompt_ids], suffix=ids[len(ids) - trail :],
-                max_tokens=limit,
-            )  # fmt: skip
+            prefix, suffix = [*ids[:lead], *prompt_ids], ids[len(ids) - trail :]
+            if len(prefix) + len(suffix) >= limit:
+                hint = "its prompt leaves no room for text in a window; send a shorter prompt"
+                raise InputTooLong(len(counts), len(ids), limit, hint)
+            windows = cut_windows(content, prefix=prefix, suffix=suffix, max_tokens=limit)
             items += [Item(Tokens(w, None, prompt_length), cost=len(w)) for w in windows]
             counts.append(len(windows))
         return Windows(items, counts)

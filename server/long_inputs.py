@@ -33,7 +33,9 @@ def _truncate_value(value: Any) -> bool | str | None:
 Truncate = Annotated[
     bool | str | None,
     PlainValidator(_truncate_value),
-    WithJsonSchema({"anyOf": [{"type": "boolean"}, {"enum": list(TRUNCATE_MODES)}]}),
+    WithJsonSchema(
+        {"anyOf": [{"type": "boolean"}, {"enum": list(TRUNCATE_MODES)}, {"type": "null"}]}
+    ),
 ]
 """A request's ``truncate`` field, with one clear message for a wrong value."""
 TRUNCATE_DESCRIPTION = (

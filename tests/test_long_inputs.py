@@ -10,6 +10,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from models import (
+    InputTooLong,
     InvalidSpan,
     Item,
     ModelSpec,
@@ -278,3 +279,9 @@ def test_many_overlapping_spans_are_pooled_in_groups_each_as_alone(minilm, st_mo
     (vectors,) = minilm.forward([item])
     reference = late_reference(st_model, DOC, spans)
     np.testing.assert_array_less(0.9999, np.sum(vectors * reference, axis=1))
+
+
+def test_a_prompt_that_fills_a_window_is_refused(minilm):
+    prompt = "instruction " * 300
+    with pytest.raises(InputTooLong, match=r"input 0 .* prompt leaves no room"):
+        minilm.prepare_windows([LONG], prompt=prompt)
