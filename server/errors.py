@@ -88,7 +88,9 @@ _ERROR_TYPES = (
               "`POST /admin/profile` while a profile is armed or recording"),
     ErrorType("payload_too_large", (413,), "the body is larger than `--max-body-bytes`",
               (REPLICA, NGINX)),
-    ErrorType("too_many_inputs", (413,), "more inputs than `--max-inputs-per-request`"),
+    ErrorType("too_many_inputs", (413,),
+              "more inputs than `--max-inputs-per-request`, or, with `truncate: chunk`, more "
+              "windows than the queue holds (`--max-queue-items`)"),
     ErrorType("input_too_long", (413,),
               "with `truncate: none` (or `false`, or `--truncate none`), or with `late_chunks`, "
               "an input longer than the model's maximum; the message names that maximum"),
