@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .answers import top_labels, truncate_dimensions
 from .base import ArchitectureShape, Item, Model, ModelInfo
 from .chat import ChatMessage, ChatTemplateError, Detokenizer, NoChatTemplate, PromptTokenizer
+from .chunking import InvalidSpan, Span, Windows, cut_windows, pool_windows, token_spans
 from .errors import (
     DeviceError,
     InputTooLong,
@@ -84,6 +85,7 @@ __all__ = [
     "GenerationDefaults",
     "Generator",
     "InputTooLong",
+    "InvalidSpan",
     "Item",
     "Model",
     "ModelDescription",
@@ -99,6 +101,7 @@ __all__ = [
     "SampledToken",
     "SamplingParams",
     "SeqChunk",
+    "Span",
     "StepRequest",
     "StepResult",
     "TextModel",
@@ -107,18 +110,22 @@ __all__ = [
     "TokenizedText",
     "Tokens",
     "UnknownPrompt",
+    "Windows",
     "available_cpus",
     "current_cpu_threads",
+    "cut_windows",
     "describe",
     "is_out_of_memory",
     "load_entry_point",
     "load_generator",
     "load_model",
     "parse_entry_point",
+    "pool_windows",
     "quantize_int8",
     "resolve_device",
     "resolve_prompt",
     "set_cpu_threads",
+    "token_spans",
     "top_labels",
     "translate_error",
     "truncate_dimensions",

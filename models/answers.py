@@ -26,11 +26,11 @@ class SparseVector(NamedTuple):
 
 def truncate_dimensions(vector: Any, dimensions: int, normalize: bool) -> np.ndarray:
     """A Matryoshka embedding's first ``dimensions`` values, renormalised to unit length when
-    the model's own output is normalised."""
-    kept = np.asarray(vector, dtype=np.float32)[:dimensions]
+    the model's own output is normalised. Late chunks (one vector per row): each row's."""
+    kept = np.asarray(vector, dtype=np.float32)[..., :dimensions]
     if normalize:
-        norm = float(np.linalg.norm(kept.astype(np.float64)))
-        kept = (kept / max(norm, 1e-12)).astype(np.float32)
+        norm = np.linalg.norm(kept.astype(np.float64), axis=-1, keepdims=True)
+        kept = (kept / np.maximum(norm, 1e-12)).astype(np.float32)
     return kept
 
 

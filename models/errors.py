@@ -17,10 +17,13 @@ class ModelLoadError(ModelError):
 class InputTooLong(ModelError):
     """An input exceeds the model's maximum length and truncation is off."""
 
-    def __init__(self, index: int, num_tokens: int, max_tokens: int) -> None:
+    def __init__(
+        self, index: int, num_tokens: int, max_tokens: int,
+        hint: str = "send shorter text or allow truncation",
+    ) -> None:  # fmt: skip
         super().__init__(
             f"input {index} has {num_tokens} tokens, more than the model's maximum of "
-            f"{max_tokens}; send shorter text or allow truncation"
+            f"{max_tokens}; {hint}"
         )
         self.index = index
         self.num_tokens = num_tokens

@@ -11,8 +11,10 @@ import torch
 from tokenizers import Tokenizer
 
 from .base import ArchitectureShape, Item, ModelInfo
+from .chunking import Span, Windows
 from .description import ModelDescription, activation_name
 from .errors import translate_error
+from .late_chunks import SpanRows
 from .postprocess import Postprocess
 from .tokenizing import TRUNCATION_SIDES, TextTokenizer, Tokens
 
@@ -99,11 +101,17 @@ class TextModel:
     def prepare(
         self, inputs: Sequence[str], *, truncate: bool, prompt: str | None = None,
         truncation_direction: str | None = None,
+        late_chunks: Sequence[Sequence[Span]] | None = None,
     ) -> list[Item]:  # fmt: skip
         """As ``TextTokenizer.prepare``."""
         return self._tokenizer.prepare(
-            inputs, truncate=truncate, prompt=prompt, truncation_direction=truncation_direction
-        )
+            inputs, truncate=truncate, prompt=prompt, truncation_direction=truncation_direction,
+            late_chunks=late_chunks,
+        )  # fmt: skip
+
+    def prepare_windows(self, inputs: Sequence[str], *, prompt: str | None = None) -> Windows:
+        """As ``TextTokenizer.prepare_windows``."""
+        return self._tokenizer.prepare_windows(inputs, prompt=prompt)
 
     def prepare_pairs(
         self, query: str, documents: Sequence[str], *, truncate: bool = True,
@@ -159,7 +167,14 @@ class TextModel:
                 output = self._module(**kwargs)
                 if self._exclude_prompt:  # else every row's is 0 and pooling never reads them
                     prompt_lengths = prompt_lengths.to(self._device, non_blocking=self._pin_memory)
-                results = self._postprocess(output, attention_mask, prompt_lengths)
+                spans = SpanRows.of(items)
+                if spans is None:
+                    results = self._postprocess(output, attention_mask, prompt_lengths)
+                else:  # late chunks: one row per span, pooled over the span's tokens
+                    results = spans.pool(
+                        self._postprocess, output.last_hidden_state, attention_mask,
+                        prompt_lengths,
+                    )  # fmt: skip
                 del output
         except Exception as exc:
             error = translate_error(exc)

@@ -12,19 +12,26 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from .base import Item, ModelInfo
+from .chunking import Span, Windows, cut_windows, token_spans
 from .errors import InputTooLong
 
 TRUNCATION_SIDES = ("right", "left")
+LATE_CHUNKS_HINT = (
+    "late chunks come from one pass over the whole input, which must fit; send a shorter "
+    "input, or cut it with truncate: chunk instead"
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
     """One input's token ids; a pair's segment ids; how many leading tokens are its prompt
-    (0 unless pooling leaves the prompt out)."""
+    (0 unless pooling leaves the prompt out); with late chunks, the token ranges each of its
+    vectors is pooled over (one vector per range instead of one per input)."""
 
     ids: list[int]
     type_ids: list[int] | None = None
     prompt_length: int = 0
+    spans: tuple[Span, ...] | None = None
 
 
 class TextTokenizer:
@@ -67,16 +74,78 @@ class TextTokenizer:
     def prepare(
         self, inputs: Sequence[str], *, truncate: bool, prompt: str | None = None,
         truncation_direction: str | None = None,
+        late_chunks: Sequence[Sequence[Span]] | None = None,
     ) -> list[Item]:  # fmt: skip
         """One item per input; a prompt goes in front of each input's text, as
         sentence-transformers puts it, and its tokens count in the item's cost. Truncation
         cuts the prompted text, as sentence-transformers does: from the end
         ``truncation_direction`` names (default: the tokenizer's side), so ``left`` cuts a
-        long input's prompt before its end."""
+        long input's prompt before its end. ``late_chunks``: character spans of each input
+        (one list per input); its item is never truncated and answers one vector per span,
+        pooled over the tokens the span overlaps."""
         texts = [prompt + text for text in inputs] if prompt else list(inputs)
+        if late_chunks is not None:
+            return self._spanned(texts, late_chunks, prompt=prompt)
         return self._items(
             texts, truncate=truncate, pairs=False, prompt=prompt, side=truncation_direction
         )
+
+    def prepare_windows(self, inputs: Sequence[str], *, prompt: str | None = None) -> Windows:
+        """Each input as windows of at most the model's maximum length: an input that fits is
+        one window, the item ``prepare`` makes of it; a longer one is cut into consecutive
+        windows of its tokens, each with the model's special tokens (and the prompt) around
+        it, so every window is an input the model reads as usual."""
+        texts = [prompt + text for text in inputs] if prompt else list(inputs)
+        limit = self.info.max_input_tokens
+        prompt_length = self._prompt_length(prompt) if prompt and self._exclude_prompt else 0
+        prompt_ids = self._content(prompt) if prompt else []
+        items: list[Item] = []
+        counts = []
+        encodings = self._full.encode_batch_fast(texts)
+        for encoding, text in zip(encodings, texts, strict=True):
+            ids = encoding.ids
+            if len(ids) <= limit:
+                items.append(Item(data=Tokens(ids, None, prompt_length), cost=len(ids)))
+                counts.append(1)
+                continue
+            special = encoding.special_tokens_mask
+            lead = next((i for i, flag in enumerate(special) if not flag), len(ids))
+            trail = next((i for i, flag in enumerate(reversed(special)) if not flag), 0)
+            # The prompt goes in front of every window: the text's own tokens are cut.
+            content = self._content(text[len(prompt) :]) if prompt else ids[lead : len(ids) - trail]
+            prefix, suffix = [*ids[:lead], *prompt_ids], ids[len(ids) - trail :]
+            if len(prefix) + len(suffix) >= limit:
+                hint = "its prompt leaves no room for text in a window; send a shorter prompt"
+                raise InputTooLong(len(counts), len(ids), limit, hint)
+            windows = cut_windows(content, prefix=prefix, suffix=suffix, max_tokens=limit)
+            items += [Item(Tokens(w, None, prompt_length), cost=len(w)) for w in windows]
+            counts.append(len(windows))
+        return Windows(items, counts)
+
+    def _content(self, text: str) -> list[int]:
+        """``text``'s tokens without the special tokens the tokenizer adds around an input."""
+        return self._full.encode(text, add_special_tokens=False).ids
+
+    def _spanned(
+        self, texts: list[str], late_chunks: Sequence[Sequence[Span]], *, prompt: str | None
+    ) -> list[Item]:
+        """``prepare``'s items for late chunking: the whole text in one pass (too long:
+        ``InputTooLong``), with each span's token range."""
+        limit = self.info.max_input_tokens
+        shift = len(prompt) if prompt else 0
+        prompt_length = self._prompt_length(prompt) if prompt and self._exclude_prompt else 0
+        items = []
+        for index, (encoding, spans) in enumerate(
+            zip(self._full.encode_batch(texts), late_chunks, strict=True)
+        ):
+            ids = encoding.ids
+            if len(ids) > limit:
+                raise InputTooLong(index, len(ids), limit, LATE_CHUNKS_HINT)
+            ranges = token_spans(
+                encoding.offsets, encoding.special_tokens_mask, spans, shift=shift, index=index
+            )
+            items.append(Item(data=Tokens(ids, None, prompt_length, ranges), cost=len(ids)))
+        return items
 
     def prepare_pairs(
         self, query: str, documents: Sequence[str], *, truncate: bool = True,

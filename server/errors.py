@@ -20,7 +20,7 @@ from batching import (
     QueueFull,
     ShuttingDown,
 )
-from models import InputTooLong, UnknownPrompt
+from models import InputTooLong, InvalidSpan, UnknownPrompt
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +52,19 @@ _ERROR_TYPES = (
               "an embedder on `/v1/rerank` or `/embed_sparse`, a sparse embedder on "
               "`/v1/embeddings`)"),
     ErrorType("unsupported_parameter", (400,),
-              "a parameter the model cannot honour: `dimensions` or a compact output "
-              "(`embedding_types`, base64 `embed_dtype`) for a model that does not embed, int8 "
-              "or uint8 for one that does not normalise, `top_k` for one that does not "
-              "classify; on the generation routes an "
-              "OpenAI parameter Batchfit does not implement (tools, `logit_bias`, penalties, "
-              "`suffix`)"),
+              "a parameter the model cannot honour: `dimensions`, `late_chunks`, `truncate: "
+              "chunk` or a compact output (`embedding_types`, base64 `embed_dtype`) for a model "
+              "that does not embed, int8 or uint8 for one that does not normalise, `top_k` for "
+              "one that does not classify; on the generation routes an OpenAI parameter "
+              "Batchfit does not implement (tools, `logit_bias`, penalties, `suffix`)"),
     ErrorType("unknown_prompt", (400,),
               "`prompt_name` names no prompt of the model (the message lists its prompts)"),
     ErrorType("invalid_dimensions", (400,),
               "`dimensions` outside 1 to the model's output size (`output_dim`)"),
+    ErrorType("invalid_late_chunks", (400,),
+              "`late_chunks` that do not fit the inputs: not one list of `[start_char, "
+              "end_char]` per input, a span outside its text or covering none of its tokens, "
+              "or late chunks with `truncate: chunk`"),
     ErrorType("unsupported_input", (400,),
               "token-id arrays instead of text on `/v1/embeddings`; images on `/v2/embed`"),
     ErrorType("no_tokenizer", (400,),
@@ -94,9 +97,11 @@ _ERROR_TYPES = (
               (REPLICA, NGINX)),
     ErrorType("too_many_inputs", (413,),
               "more inputs than `--max-inputs-per-request` (documents than "
-              "`--max-rerank-documents` on `/v1/rerank` and `/v2/rerank`)"),
+              "`--max-rerank-documents` on `/v1/rerank` and `/v2/rerank`), or, with `truncate: "
+              "chunk`, more windows than the queue holds (`--max-queue-items`)"),
     ErrorType("input_too_long", (413,),
-              "with `truncate: false`, an input longer than the model's maximum"),
+              "with `truncate: none` (or `false`, or `--truncate none`), or with `late_chunks`, "
+              "an input longer than the model's maximum; the message names that maximum"),
     ErrorType("unsupported_media_type", (415,), "a body declared as something other than JSON"),
     ErrorType("invalid_request", (422, 400),
               "schema errors: wrong types, unknown fields, `timeout_s` not a positive finite "
@@ -208,6 +213,8 @@ def to_api_error(exc: BaseException) -> ApiError:
             return ApiError(413, "input_too_long", str(exc))
         case UnknownPrompt():
             return ApiError(400, "unknown_prompt", str(exc))
+        case InvalidSpan():
+            return ApiError(400, "invalid_late_chunks", str(exc))
         case DeadlineExceeded():
             return ApiError(504, "deadline_exceeded", str(exc))
         case OutOfMemory():

@@ -12,6 +12,7 @@ from models import ModelInfo, resolve_prompt, top_labels, truncate_dimensions
 
 from .disconnect import client_watch
 from .errors import ApiError
+from .long_inputs import Truncation, late_chunks_of, resolve_truncation
 from .runtime import ClientDisconnected, ModelSlot, RequestTrace
 
 if TYPE_CHECKING:  # the engine's; an API process never imports it (nor torch)
@@ -152,7 +153,7 @@ async def infer_for_request(
     inputs: Sequence[str],
     *,
     request_id: str,
-    truncate: bool = True,
+    truncate: bool | str | None = None,
     timeout_s: float | None = None,
     priority: int = 0,
     model: str | None = None,
@@ -162,13 +163,18 @@ async def infer_for_request(
     truncation_direction: str | None = None,
     dimensions: int | None = None,
     max_tokens_per_doc: int | None = None,
+    late_chunks: Sequence[Any] | None = None,
+    schema_status: int = 422,
 ) -> tuple[list[Any], int]:
     """Queue the inputs for ``model`` (same queue, batcher and model thread as ``/v1/infer``)
     and wait, dropping them if the client disconnects. Returns the outputs and the token
     count (prompts included). With ``query``, each input is a document scored against it
-    (reranking). ``prompt_name`` or a literal ``prompt`` (else the model's default prompt)
-    goes in front of each input, or of the query. ``dimensions`` (checked by the caller)
-    cuts each embedding, in the runtime, where the cut answer is cached."""
+    (reranking; ``truncate`` a boolean). ``prompt_name`` or a literal ``prompt`` (else the
+    model's default prompt) goes in front of each input, or of the query. ``dimensions``
+    (checked by the caller) cuts each embedding, in the runtime, where the cut answer is
+    cached. ``truncate`` (None: the server's ``--truncate``) and ``late_chunks``: as
+    ``server/long_inputs.py`` reads them; ``schema_status``: the route's status for a
+    schema error."""
     runtime = runtime_of(request)
     config = runtime.config
     timeout_s = min(timeout_s or config.default_timeout_s, config.max_timeout_s)
@@ -178,6 +184,18 @@ async def infer_for_request(
     state["model"] = name
     check_prompt(prompt_name, prompt)
     resolved = resolve_prompt(slot.info, prompt_name, prompt, name=name)
+    if query is not None:
+        truncation = Truncation(truncate is not False, truncation_direction)
+    else:
+        truncation = resolve_truncation(
+            truncate, truncation_direction, config.default_truncate, schema_status=schema_status
+        )
+    if truncation.chunk and slot.info.task != "embed":
+        raise ApiError(
+            400, "unsupported_parameter",
+            f"truncate chunk applies to embedding models; {name!r} does {slot.info.task}",
+        )  # fmt: skip
+    spans = late_chunks_of(late_chunks, inputs, slot.info, name=name, truncation=truncation)
     # Read by the access log once the request has been answered.
     state["trace"] = trace = RequestTrace()
     # NOTE: awaited in the request's own task; the client's disconnect settles the wait
@@ -185,11 +203,11 @@ async def infer_for_request(
     trace.called_s = time.perf_counter()
     try:
         outputs, num_tokens = await runtime.infer(
-            inputs, truncate=truncate, timeout_s=timeout_s, request_id=request_id,
+            inputs, truncate=truncation.truncate, timeout_s=timeout_s, request_id=request_id,
             priority=priority, model=name, query=query, trace=trace, prompt=resolved,
-            truncation_direction=truncation_direction,
+            truncation_direction=truncation.direction,
             client=client_watch(request.scope, request.receive), dimensions=dimensions,
-            max_tokens_per_doc=max_tokens_per_doc,
+            max_tokens_per_doc=max_tokens_per_doc, chunk=truncation.chunk, late_chunks=spans,
         )  # fmt: skip
     except ClientDisconnected:
         state["error_type"] = "client_disconnected"

@@ -182,7 +182,7 @@ async def handle_infer(request: Request) -> ASGIApp:
         request, inputs, request_id=request_id, truncate=body.truncate,
         timeout_s=timeout_s, priority=body.priority, model=slot.name,
         prompt_name=body.prompt_name, prompt=body.prompt, dimensions=body.dimensions,
-        truncation_direction=body.truncation_direction,
+        truncation_direction=body.truncation_direction, late_chunks=body.late_chunks,
     )  # fmt: skip
     outputs = shape_outputs(slot.info, outputs, top_k=body.top_k)
     if encoding != FLOATS:

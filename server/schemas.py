@@ -6,12 +6,16 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from .long_inputs import LATE_CHUNKS_DESCRIPTION, TRUNCATE_DESCRIPTION, Truncate
+
 MIN_PRIORITY, MAX_PRIORITY = -10, 10
 EmbeddingTypeName = Literal["float", "int8", "uint8", "binary", "ubinary"]
 # What the route accepts, stricter than the Python type says: empty strings and an empty list
 # are refused by the route itself (400 empty_input), so the schema documents them as invalid.
 _TEXT = {"type": "string", "minLength": 1}
 INPUTS_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1}]}
+LateChunks = list[list[int]] | list[list[list[int]]]
+"""[[start_char, end_char], ...] for a lone input, or one such list per input."""
 
 
 class InferRequest(BaseModel):
@@ -22,11 +26,8 @@ class InferRequest(BaseModel):
     inputs: Annotated[str | list[str], WithJsonSchema(INPUTS_SCHEMA)] = Field(
         description="One text or a list of texts; no empty ones (400 empty_input)."
     )
-    truncate: bool = Field(
-        True,
-        description="Cut inputs to the model's maximum length; when false an over-long input "
-        "gets 413.",
-    )
+    truncate: Truncate = Field(None, description=TRUNCATE_DESCRIPTION)
+    late_chunks: LateChunks | None = Field(None, description=LATE_CHUNKS_DESCRIPTION)
     truncation_direction: Literal["right", "left"] | None = Field(
         None,
         description="Which end truncation cuts an over-long input from: right keeps the "
@@ -112,7 +113,11 @@ class InferResponse(BaseModel):
     model: str
     outputs: (
         list[list[float]] | list[list[int]] | list[str] | list[ClassificationOutput]
-        | list[list[ClassificationOutput]] | list[SparseOutput]
+        | list[list[ClassificationOutput]] | list[SparseOutput] | list[list[list[float]]]
+    ) = Field(
+        description="One per input, in order: a vector (or its compact encoding), a "
+        "classifier's label (or top_k labels), a sparse vector, or with late_chunks a list of "
+        "vectors, one per span."
     )  # fmt: skip
     usage: Usage
     request_id: str

@@ -238,8 +238,8 @@ async def test_metrics_and_models(registry):
         (
             {"json": {"inputs": 5, "truncate": "yes"}},
             422,
-            "inputs must be a string or a list of strings; truncate: Input should be a valid "
-            "boolean",
+            "inputs must be a string or a list of strings; truncate: Input should be true, "
+            "false, 'end', 'start', 'none' or 'chunk'",
         ),
         ({"json": {}}, 422, "inputs: Field required"),
     ],

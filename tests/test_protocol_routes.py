@@ -146,7 +146,7 @@ def test_openapi_describes_every_route():
     request_schema = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
     assert set(request_schema["properties"]) == {
         "input", "model", "encoding_format", "dimensions", "user", "prompt_name", "prompt",
-        "embed_dtype", "embedding_types",
+        "embed_dtype", "embedding_types", "truncate", "late_chunks",
     }  # fmt: skip
     assert "OpenAIErrorBody" in json.dumps(embeddings["responses"]["400"])
     for path in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"):

@@ -2,10 +2,11 @@
 
 The key is built from the item after tokenization, not from the request's text: the token
 ids once the prompt is in front and truncation (on the model's side, left or right) has cut
-them, a pair's segment ids, and how many leading tokens are a prompt that pooling leaves
-out. Two inputs with the same key give the forward pass the same tensors, so the same
-output; two with any difference in what the model sees get different keys. ``dimensions``
-(a Matryoshka cut) is part of the key because the stored value is the answer after the cut.
+them, a pair's segment ids, how many leading tokens are a prompt that pooling leaves
+out, and the token spans of late chunks. Two inputs with the same key give the forward pass
+the same tensors, so the same output; two with any difference in what the model sees get
+different keys. ``dimensions`` (a Matryoshka cut) is part of the key because the stored
+value is the answer after the cut.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def item_payload(data: Any) -> bytes | None:
         body = _ids(data.ids)
         if has_types:
             body += _ids(data.type_ids)  # type: ignore[arg-type]
+        if data.spans is not None:  # late chunks: one vector per span, another answer
+            body += b"L" + _ids([bound for span in data.spans for bound in span])
         return header + body
     if isinstance(data, str):
         return b"S" + data.encode("utf-8", "surrogatepass")

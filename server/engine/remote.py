@@ -31,6 +31,7 @@ from models import ProfileStatus
 
 from ..errors import ApiError, deadline_exceeded, draining, model_not_found, not_ready
 from ..heap import freeze_startup_heap
+from ..long_inputs import pool_answer, unwindow
 from ..metrics import ServerMetrics
 from ..runtime import ClientDisconnected, ClientWatch, RequestTrace
 from ..runtime.requests import tokenize_on
@@ -342,11 +343,13 @@ class RemoteRuntime:
         client: ClientWatch | None = None,
         dimensions: int | None = None,
         max_tokens_per_doc: int | None = None,
+        chunk: bool = False,
+        late_chunks: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> tuple[list[Any], int]:
-        """As ``Runtime.infer``: tokenized here (``truncation_direction`` and
-        ``max_tokens_per_doc`` apply here);
-        looked up in the output cache, queued and run in the engine, which also cuts to
-        ``dimensions``."""
+        """As ``Runtime.infer``: tokenized here (``truncation_direction``,
+        ``max_tokens_per_doc``, the windows of ``chunk`` and the spans of ``late_chunks``
+        apply here); looked up in the output cache, queued and run in the engine, which also
+        cuts to ``dimensions`` (chunked inputs: cut here, once pooled)."""
         arrival_s = self._clock()  # the deadline counts from here, tokenizing included
         if self.engine_lost:
             raise engine_gone()
@@ -359,6 +362,7 @@ class RemoteRuntime:
         prepare = prepare_call(
             slot.model, inputs, name=slot.name, truncate=truncate, query=query, prompt=prompt,
             truncation_direction=truncation_direction, max_tokens_per_doc=max_tokens_per_doc,
+            chunk=chunk, late_chunks=late_chunks,
         )  # fmt: skip
         # As in one process: a request alone here is tokenized inline up to a larger size.
         inline = tokenize_inline(slot, inputs, query=query, prompt=prompt,
@@ -366,13 +370,15 @@ class RemoteRuntime:
         self._inferring += 1
         try:
             if inline:
-                items = prepare()
+                prepared = prepare()
             else:
-                items = await tokenize_on(
+                prepared = await tokenize_on(
                     self._tokenizer, prepare, remaining_s=arrival_s + timeout_s - self._clock(),
                     timeout_s=timeout_s,
                 )  # fmt: skip
             trace.tokenize_s = self._clock() - arrival_s
+            items, windows = unwindow(prepared)
+            cut = None if windows is not None else dimensions
             trace.inputs, trace.tokens = len(items), sum(item.cost for item in items)
             # The engine counts the deadline from its own arrival: it is given what is left.
             left_s = arrival_s + timeout_s - self._clock()
@@ -380,7 +386,7 @@ class RemoteRuntime:
                 raise deadline_exceeded(timeout_s)
             try:
                 header, frames = await self._call(
-                    wire.INFER, (slot.name, left_s, priority, request_id, dimensions),
+                    wire.INFER, (slot.name, left_s, priority, request_id, cut),
                     wire.dumps(items),
                     timeout_s=left_s + DEADLINE_GRACE_S, client=client,
                 )  # fmt: skip
@@ -393,7 +399,10 @@ class RemoteRuntime:
             self._inferring -= 1
         _, meta, tokens, trace.queue_wait_s, trace.batch_sizes, trace.cache_hits, batches = header
         trace.batches = list(batches)
-        return wire.decode_outputs(meta, frames), tokens
+        outputs = wire.decode_outputs(meta, frames)
+        if windows is not None:
+            outputs = pool_answer(outputs, windows, slot.info, dimensions)
+        return outputs, tokens
 
     def generate(
         self, specs: Sequence[SequenceSpec], *, model: str, priority: int, timeout_s: float,

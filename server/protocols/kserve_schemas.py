@@ -31,7 +31,8 @@ class InferenceRequest(BaseModel):
     id: str | None = None
     parameters: dict[str, Any] | None = Field(
         None,
-        description="Optional truncate (bool, default true), truncation_direction (right or "
+        description="Optional truncate (end, start, none, chunk, or a bool; default the "
+        "server's --truncate), truncation_direction (right or "
         "left, default the model's), timeout_s (seconds) and binary_data_output (bool).",
     )
     inputs: list[RequestInput]

@@ -38,6 +38,7 @@ from ..lean import (
     read_body,
     require_json_media_type,
 )
+from ..long_inputs import TRUNCATE_MODES
 from ..runtime import ModelSlot
 from .kserve_schemas import (
     HEADER_LENGTH,
@@ -256,10 +257,13 @@ async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
     texts = input_texts(infer_request, binary)
     check_inputs(runtime, texts, field="input 'text'", schema_status=SCHEMA_STATUS)
     parameters = infer_request.parameters or {}
-    truncate = parameters.get("truncate", True)
+    truncate = parameters.get("truncate")
     timeout_s = parameters.get("timeout_s")
-    if not isinstance(truncate, bool):
-        raise ApiError(400, "invalid_request", "parameter truncate must be a boolean")
+    if truncate is not None and not isinstance(truncate, bool) and truncate not in TRUNCATE_MODES:
+        raise ApiError(
+            400, "invalid_request",
+            "parameter truncate must be a boolean or one of end, start, none, chunk",
+        )  # fmt: skip
     if timeout_s is not None and (
         isinstance(timeout_s, bool)  # an int to Python, not a number of seconds
         or not isinstance(timeout_s, int | float)
@@ -292,7 +296,7 @@ async def _infer(request: Request, name: str, version: str | None) -> ASGIApp:
     outputs, _ = await infer_for_request(
         request, texts, request_id=request_id_of(request), truncate=truncate,
         timeout_s=timeout_s, model=slot.name, prompt_name=prompt_name, prompt=prompt,
-        truncation_direction=truncation_direction,
+        truncation_direction=truncation_direction, schema_status=SCHEMA_STATUS,
     )  # fmt: skip
     tensors = output_tensors(info, shape_outputs(info, outputs))
     wanted = requested_outputs(infer_request, tensors, parameters)

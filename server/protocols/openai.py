@@ -43,6 +43,8 @@ from ..lean import (
     read_body,
     require_json_media_type,
 )
+from ..long_inputs import TRUNCATE_DESCRIPTION, Truncate
+from ..schemas import LateChunks
 from .routes import describe, protocol_route, retry_headers
 
 # Schema errors are 400 here, as OpenAI answers them.
@@ -89,12 +91,25 @@ class EmbeddingRequest(BaseModel):
         description='Not in OpenAI\'s API: a literal prompt put in front of every input ("" for '
         "none), instead of a named one.",
     )
+    truncate: Truncate = Field(None, description=f"Not in OpenAI's API: {TRUNCATE_DESCRIPTION}")
+    late_chunks: LateChunks | None = Field(
+        None,
+        description="Not in OpenAI's API: character spans, as on /v1/infer. data then holds "
+        "one embedding per span, in input order then span order; each says its input_index "
+        "and chunk_index.",
+    )
 
 
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
     embedding: list[float] | list[int] | str
+    input_index: int | None = Field(
+        None, description="With late_chunks only: the input this span's embedding is of."
+    )
+    chunk_index: int | None = Field(
+        None, description="With late_chunks only: the span's place in that input's list."
+    )
 
 
 class EmbeddingUsage(BaseModel):
@@ -229,10 +244,16 @@ async def handle_embeddings(request: Request) -> ASGIApp:
         outputs, num_tokens = await infer_for_request(
             request, inputs, request_id=request_id_of(request), model=slot.name,
             prompt_name=body.prompt_name, prompt=body.prompt, dimensions=body.dimensions,
+            truncate=body.truncate, late_chunks=body.late_chunks, schema_status=SCHEMA_STATUS,
         )  # fmt: skip
     except UnknownPrompt as exc:
         raise ParamError(400, "unknown_prompt", str(exc), "prompt_name") from None
-    return JsonAnswer(encode_openai_embeddings(slot.name, outputs, num_tokens, encoding))
+    except ApiError as exc:
+        if exc.error_type != "invalid_late_chunks":
+            raise
+        raise ParamError(exc.status, exc.error_type, exc.message, "late_chunks") from None
+    late = body.late_chunks is not None
+    return JsonAnswer(encode_openai_embeddings(slot.name, outputs, num_tokens, encoding, late=late))
 
 
 def _encoding(slot: Any, body: EmbeddingRequest) -> Encoding:
@@ -252,15 +273,21 @@ def _encoding(slot: Any, body: EmbeddingRequest) -> Encoding:
 
 
 def encode_openai_embeddings(
-    model: str, outputs: list[Any], num_tokens: int, encoding: Encoding
+    model: str, outputs: list[Any], num_tokens: int, encoding: Encoding, *, late: bool = False
 ) -> bytes:
     """float: each vector written by orjson from its float32 buffer; base64: its bytes in the
-    encoding's dtype; quantized types as lists of ints (or their bytes in base64)."""
+    encoding's dtype; quantized types as lists of ints (or their bytes in base64). ``late``:
+    each output is a list of vectors (late chunks), each its own embedding object."""
+    if late:
+        where = [{"input_index": i, "chunk_index": j}
+                 for i, output in enumerate(outputs) for j in range(len(output))]  # fmt: skip
+        outputs = [row for output in outputs for row in output]
     embeddings = encode_embeddings(outputs, encoding)
     data = [
-        {"object": "embedding", "index": index, "embedding": embedding}
+        {"object": "embedding", "index": index, "embedding": embedding,
+         **(where[index] if late else {})}
         for index, embedding in enumerate(embeddings)
-    ]
+    ]  # fmt: skip
     payload = {
         "object": "list",
         "data": data,

@@ -15,10 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from batching import BatchingMetrics, Clock, ModelThread, Pending, RequestQueue
-from models import Item, truncate_dimensions
+from models import Item, Span, truncate_dimensions
 
 from ..cache import Admission, InputCache
 from ..errors import deadline_exceeded
+from ..long_inputs import pool_answer, unwindow
 from .pieces import PieceFeeder
 from .slot import ModelSlot, prepare_call, tokenize_inline
 from .trace import RequestTrace
@@ -49,9 +50,11 @@ class RequestPath:
         client: ClientWatch | None, prompt: str | None = None,
         truncation_direction: str | None = None, dimensions: int | None = None,
         max_tokens_per_doc: int | None = None,
+        chunk: bool = False, late_chunks: Sequence[Sequence[Span]] | None = None,
     ) -> tuple[list[Any], int]:  # fmt: skip
         """Tokenize ``inputs`` for ``slot``'s model, then as ``answer``; the deadline counts
-        from now, the wait for the tokenizer thread included."""
+        from now, the wait for the tokenizer thread included. ``chunk``: each input's windows
+        are queued as inputs of their own, and answered pooled."""
         # NOTE: this clock read is all that counting from the arrival costs the lone
         # request's inline path: no timer, task or allocation of its own.
         arrival_s = self._clock.now()
@@ -59,19 +62,25 @@ class RequestPath:
         prepare = prepare_call(
             slot.model, inputs, name=slot.name, truncate=truncate, query=query, prompt=prompt,
             truncation_direction=truncation_direction, max_tokens_per_doc=max_tokens_per_doc,
+            chunk=chunk, late_chunks=late_chunks,
         )  # fmt: skip
         alone = self._work.active_requests <= 1  # this one
         if tokenize_inline(slot, inputs, query=query, prompt=prompt, alone=alone):
-            items = prepare()
+            prepared = prepare()
         else:
             remaining_s = arrival_s + timeout_s - self._clock.now()
-            items = await tokenize_on(self._tokenizer_thread, prepare, remaining_s=remaining_s,
-                                      timeout_s=timeout_s)  # fmt: skip
+            prepared = await tokenize_on(self._tokenizer_thread, prepare,
+                                         remaining_s=remaining_s, timeout_s=timeout_s)  # fmt: skip
         trace.tokenize_s = self._clock.now() - arrival_s
-        return await self.answer(
+        items, windows = unwindow(prepared)
+        outputs, tokens = await self.answer(
             slot, items, timeout_s=timeout_s, request_id=request_id, priority=priority,
-            trace=trace, client=client, dimensions=dimensions, arrival_s=arrival_s,
+            trace=trace, client=client, dimensions=None if windows else dimensions,
+            arrival_s=arrival_s,
         )  # fmt: skip
+        if windows is not None:
+            outputs = pool_answer(outputs, windows, slot.info, dimensions)
+        return outputs, tokens
 
     async def answer(
         self, slot: ModelSlot, items: Sequence[Item], *, timeout_s: float, request_id: str,
@@ -156,9 +165,8 @@ class RequestPath:
 
 
 async def tokenize_on(
-    thread: ModelThread, prepare: Callable[[], list[Item]], *, remaining_s: float,
-    timeout_s: float,
-) -> list[Item]:  # fmt: skip
+    thread: ModelThread, prepare: Callable[[], Any], *, remaining_s: float, timeout_s: float
+) -> Any:
     """``prepare()``'s items, run on ``thread`` (the tokenizer's), awaited at most
     ``remaining_s``: the request's deadline (of ``timeout_s``) ends its wait for its turn
     there too, with 504 ``deadline_exceeded``. A job still queued then is skipped; one

@@ -314,6 +314,8 @@ class Runtime(RuntimeStart):
         client: ClientWatch | None = None,
         dimensions: int | None = None,
         max_tokens_per_doc: int | None = None,
+        chunk: bool = False,
+        late_chunks: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> tuple[list[Any], int]:
         """Queue every input as one item of ``model`` (None: the default) and wait for all of
         them; return outputs and tokens. With ``query``, each input is a document paired with
@@ -323,8 +325,10 @@ class Runtime(RuntimeStart):
         tells when the client has gone: its items then leave the queue and this raises
         ``ClientDisconnected``. ``dimensions`` cuts each embedding to its first values
         (renormalised when the model normalises); ``max_tokens_per_doc`` cuts each document
-        (reranking) to that many tokens. Inputs found in the output cache are
-        answered from it, and an input equal to one in flight waits for that one."""
+        (reranking) to that many tokens. Inputs found in the output cache are answered from
+        it, and an input equal to one in flight waits for that one. ``chunk`` cuts over-long
+        inputs into windows, queued as inputs and answered pooled; ``late_chunks`` answers
+        each input's character spans (``server/long_inputs.py``)."""
         slot = self._admit(model)
         with self.work.request():
             return await self.requests.infer(
@@ -332,7 +336,8 @@ class Runtime(RuntimeStart):
                 priority=priority, query=query, prompt=prompt,
                 trace=trace if trace is not None else RequestTrace(), client=client,
                 truncation_direction=truncation_direction,
-                dimensions=dimensions, max_tokens_per_doc=max_tokens_per_doc,
+                dimensions=dimensions, max_tokens_per_doc=max_tokens_per_doc, chunk=chunk,
+                late_chunks=late_chunks,
             )  # fmt: skip
 
     def _admit(self, model: str | None) -> ModelSlot:

@@ -231,16 +231,32 @@ def tokenize_inline(
 def prepare_call(
     model: Model, inputs: Sequence[str], *, name: str, truncate: bool, query: str | None,
     prompt: str | None, truncation_direction: str | None = None,
-    max_tokens_per_doc: int | None = None,
-) -> Callable[[], list[Any]]:  # fmt: skip
+    max_tokens_per_doc: int | None = None, chunk: bool = False,
+    late_chunks: Sequence[Sequence[tuple[int, int]]] | None = None,
+) -> Callable[[], Any]:  # fmt: skip
     """The tokenization of a request's inputs, to run inline or off the event loop. A model
     whose ``prepare`` takes no ``prompt`` gets the prompt already in front of each text; one
     that takes no ``truncation_direction`` (or ``max_tokens_per_doc``) cannot be asked for
-    one (400). ``name``: the
-    model's name as served, for that error."""
+    one (400). ``name``: the model's name as served, for that error. ``chunk``: the inputs as
+    ``Windows`` (``prepare_windows``); ``late_chunks``: each input's character spans."""
+    if chunk:
+        windows = getattr(model, "prepare_windows", None)
+        if windows is None or query is not None:
+            raise ApiError(
+                400, "unsupported_parameter",
+                f"model {name!r} cannot cut inputs into windows; leave truncate: chunk out",
+            )  # fmt: skip
+        return functools.partial(windows, inputs, prompt=prompt or None)
     prepare = model.prepare_pairs if query is not None else model.prepare  # type: ignore[attr-defined]
     parameters = _parameters(prepare)
     options: dict[str, Any] = {"truncate": truncate}
+    if late_chunks is not None:
+        if "late_chunks" not in parameters or query is not None:
+            raise ApiError(
+                400, "unsupported_parameter",
+                f"model {name!r} cannot pool late chunks; leave late_chunks out",
+            )  # fmt: skip
+        options["late_chunks"] = late_chunks
     if truncation_direction is not None:
         if "truncation_direction" not in parameters:
             raise ApiError(

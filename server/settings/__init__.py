@@ -146,6 +146,7 @@ class Settings(
             max_queue_items=self.max_queue_items,
             max_batch_size=self.max_batch_size,
             max_batch_tokens=self.max_batch_tokens,
+            default_truncate=self.truncate,
         )
 
 
@@ -159,3 +160,6 @@ class ServerConfig:
     max_queue_items: int
     max_batch_size: int
     max_batch_tokens: int
+    default_truncate: str | None = None
+    """``--truncate``: what a request that says nothing of truncation gets (None: inputs
+    cut from the model's own side)."""

@@ -36,6 +36,13 @@ class FrontEndSettings(BaseModel):
     default_timeout_s: float = Field(
         60.0, gt=0, description="Deadline of a request that sets no timeout_s."
     )
+    truncate: Literal["end", "start", "none", "chunk"] | None = Field(
+        None,
+        description="What a request that sets no truncate gets for an input longer than the "
+        "model's maximum: end cuts its end, start its start, none answers 413, chunk cuts it "
+        "into windows of the model's maximum length and answers their token-weighted mean "
+        "(embedding models). Unset: cut from the model's own side (its end, for most models).",
+    )
     max_timeout_s: float = Field(
         300.0, gt=0, description="Cap on a request's timeout_s (longer values are capped)."
     )
