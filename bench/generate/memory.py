@@ -12,7 +12,8 @@ unlimited run). Peers:
   the host's RAM), in a cgroup at batchfit's limit (the same weights, loaded the same way);
 - ``vllm``: vLLM's CPU build at its defaults (``VLLM_CPU_KVCACHE_SPACE`` unset);
 - ``vllm-fitted``: vLLM with a cache chosen to fit (``--kv-cache-memory-bytes`` 200 MiB,
-  allocated before it is ready: its loaded usage holds it, so it has the room besides).
+  allocated before it is ready: its loaded usage holds it, so it has the room besides), its
+  context cut to the workload's longest request (a cache must hold one sequence of it).
 
 Each run reports finished, failed and killed (the cgroup's ``oom_kill`` events), its peak
 (the cgroup's, page cache included) and output tokens/s. batchfit's requests get a deadline
@@ -151,7 +152,11 @@ def run_memory(
                                                  error=f"its environment: {exc}"))  # fmt: skip
                 continue
             fitted = int(options.vllm_fitted_kv_mib * MiB) if peer == "vllm-fitted" else None
-            launch = vllm_launch(venv, folder, kv_cache_gib=None, kv_cache_bytes=fitted)
+            # A fitted cache must hold one sequence of the model's context (32,768 tokens
+            # for Gemma 3): the context is cut to what the workload needs.
+            longest = max(r.num_prompt_tokens + r.max_tokens for r in requests)
+            launch = vllm_launch(venv, folder, kv_cache_gib=None, kv_cache_bytes=fitted,
+                                 max_model_len=longest if fitted else None)  # fmt: skip
         for case in (LIMIT, SIBLING):
             if not runs.server(peer, launch, case):
                 break  # it could not start: the sibling changes nothing

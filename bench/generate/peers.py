@@ -76,6 +76,7 @@ def vllm_launch(
     max_num_seqs: int | None = None,
     all_cores: bool = False,
     kv_cache_bytes: int | None = None,
+    max_model_len: int | None = None,
 ) -> Launch:
     """vLLM's defaults but for float32 (the weights every peer serves) and loopback; its CPU
     build wants ``VLLM_CPU_KVCACHE_SPACE`` (GiB) set, or it asks for most of the host's RAM
@@ -90,6 +91,8 @@ def vllm_launch(
     name = "vllm"
     if kv_cache_bytes is not None:  # finer than VLLM_CPU_KVCACHE_SPACE's whole GiB
         command += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    if max_model_len is not None:  # a small cache must hold one sequence of this length
+        command += ["--max-model-len", str(max_model_len)]
     if max_num_seqs is not None:
         command += ["--max-num-seqs", str(max_num_seqs)]
         name = f"vllm max_num_seqs={max_num_seqs}"
