@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 from batching import (
     Clock,
@@ -25,6 +26,7 @@ from batching import (
     OutOfMemory,
     QueueFull,
     ShuttingDown,
+    release_host_memory,
 )
 from models import (
     DeviceError,
@@ -166,7 +168,7 @@ class GenerationEngine:
         try:
             while True:
                 plan, request = self._plan()
-                future = self._thread.start(self.model.step, request) if request else None
+                future = self._start(plan, request) if request else None
                 if unsent:
                     emit(unsent, self._prompts, self._clock.now(), self.metrics, self._finish)
                     unsent = []
@@ -238,6 +240,22 @@ class GenerationEngine:
         elif seq.num_preemptions:
             self.metrics.resumed.inc()
         self._show_counts()
+
+    def _start(self, plan: StepPlan, request: StepRequest) -> asyncio.Future[StepResult]:
+        """The step on the model thread. A step that preempts for memory first frees the
+        preempted sequences' cache and hands what the C allocator then holds free back to
+        the kernel: a cache block below its mmap threshold, freed, stays resident (and
+        counted against a cgroup's limit) until trimmed, and room is what preempting is for."""
+        if not plan.preempt or not request.free:
+            return self._thread.start(self.model.step, request)
+        model, freed = self.model, list(request.free)
+
+        def free_then_step() -> StepResult:
+            model.free(freed)
+            release_host_memory()
+            return model.step(replace(request, free=()))
+
+        return self._thread.start(free_then_step)
 
     def _preempt(self, seq: Sequence, reason: str) -> None:
         """Free its cache; it goes back to the waiting sequences with what it generated,

@@ -201,7 +201,8 @@ def make_postprocess(
         head = _named_activation(activation, f"model {name!r}")
 
         def score(output: Any, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor):
-            return head(output.logits.float()[:, 0]).tolist()
+            # In float64: a sigmoid's score keeps the logit it came from (raw scores).
+            return head(output.logits.double()[:, 0]).tolist()
 
         return score
     labels = [id2label.get(i, str(i)) for i in range(max(id2label, default=-1) + 1)]

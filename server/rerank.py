@@ -8,6 +8,8 @@ pair is one queue item whose cost is the pair's token count after truncation.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -51,6 +53,12 @@ class RerankRequest(BaseModel):
     )
     return_documents: bool = Field(
         False, description="Include each result's document text as document.text."
+    )
+    raw_scores: bool = Field(
+        False,
+        description="Scores before the model's score function: a sigmoid's logits (within "
+        "±36), as text-embeddings-inference's raw_scores. A model whose score function is "
+        "neither a sigmoid nor the identity: 400 unsupported_parameter.",
     )
     truncation_direction: Literal["right", "left"] | None = Field(
         None,
@@ -132,14 +140,15 @@ async def rank_documents(
     request: Request, *, model: str | None, query: str, documents: list[str],
     top_n: int | None, endpoint: str, truncation_direction: str | None = None,
     max_tokens_per_doc: int | None = None, timeout_s: float | None = None, priority: int = 0,
-    schema_status: int = 422,
+    schema_status: int = 422, raw_scores: bool = False,
 ) -> Ranking:  # fmt: skip
     """Score ``documents`` against ``query`` with the reranker ``model`` names (None: the
     first) and rank them: the checks and the work every rerank route shares. Up to
     ``--max-rerank-documents`` documents; past ``--max-inputs-per-request`` they enter the
     queue in pieces (``server/runtime/pieces``). The deadline is the smaller of
     ``timeout_s`` and the ``X-Timeout-S`` header (neither: the server's default).
-    ``schema_status``: the route's status for a schema error (as ``check_inputs``)."""
+    ``schema_status``: the route's status for a schema error (as ``check_inputs``).
+    ``raw_scores``: the scores before the model's score function (``raw``)."""
     header_timeout, header_errors = timeout_header(request)
     if header_errors:
         raise RequestValidationError(header_errors)
@@ -164,14 +173,38 @@ async def rank_documents(
     # A limit, as Cohere and Jina read it: LangChain's rerankers send top_n=3 whatever the
     # number of candidates.
     top_n = len(documents) if top_n is None else min(top_n, len(documents))
+    if raw_scores and slot.info.activation not in RAW_INVERSES:
+        raise ApiError(
+            400, "unsupported_parameter",
+            f"raw_scores needs a sigmoid or identity score function; {slot.name!r} scores with "
+            f"{slot.info.activation}",
+        )  # fmt: skip
     request_id = request_id_of(request)
     scores, num_tokens = await infer_for_request(
         request, documents, request_id=request_id, model=slot.name, query=query,
         truncation_direction=truncation_direction, max_tokens_per_doc=max_tokens_per_doc,
         timeout_s=min(asked, default=None), priority=priority,
     )  # fmt: skip
+    if raw_scores:
+        scores = [RAW_INVERSES[slot.info.activation](score) for score in scores]
     ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:top_n]
     return Ranking(slot.name, ranked, scores, num_tokens, request_id)
+
+
+RAW_LIMIT = 36.0
+"""A sigmoid's score keeps its logit within this far from 0 (float64 rounds to 0 and 1
+beyond); raw scores past it are cut to it."""
+
+
+def _logit(score: float) -> float:
+    if score <= 0.0 or score >= 1.0:
+        return math.copysign(RAW_LIMIT, score - 0.5)
+    raw = math.log(score) - math.log1p(-score)
+    return max(-RAW_LIMIT, min(RAW_LIMIT, raw))
+
+
+RAW_INVERSES: dict[str | None, Callable[[float], float]] = {"sigmoid": _logit, "identity": float}
+"""Scores back to what the model's score function was given, by its name."""
 
 
 async def handle_rerank(request: Request) -> ASGIApp:
@@ -182,7 +215,7 @@ async def handle_rerank(request: Request) -> ASGIApp:
         top_n=body.top_n, endpoint="/v1/rerank",
         truncation_direction=body.truncation_direction,
         max_tokens_per_doc=body.max_tokens_per_doc, timeout_s=body.timeout_s,
-        priority=body.priority,
+        priority=body.priority, raw_scores=body.raw_scores,
     )  # fmt: skip
     return JsonAnswer(encode_rerank_answer(ranking, body.documents, body.return_documents))
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client import CollectorRegistry
 
+import generation.engine as engine_module
 from batching import (
     DeadlineExceeded,
     InferenceFailed,
@@ -235,7 +236,11 @@ class ScriptedProbe:
         return MemoryReading(free_bytes=free)
 
 
-async def test_a_shrinking_budget_preempts_the_newest_and_they_resume_without_a_repeat(thread):
+async def test_a_shrinking_budget_preempts_the_newest_and_they_resume_without_a_repeat(
+    thread, monkeypatch
+):
+    released = []
+    monkeypatch.setattr(engine_module, "release_host_memory", lambda: released.append(1))
     model = ScriptedGenerator()
     engine = GenerationEngine(
         name="m", model=model, model_thread=thread, clock=MonotonicClock(),
@@ -262,6 +267,9 @@ async def test_a_shrinking_budget_preempts_the_newest_and_they_resume_without_a_
         assert starts.count(0) == 2, starts
     assert engine.metrics.preemptions["memory"]._value.get() == 3
     assert engine.metrics.resumed._value.get() == 3
+    # The step that preempted the three freed their cache, then handed the C allocator's
+    # free memory back to the kernel, before its own forward pass.
+    assert released == [1]
 
 
 async def test_a_lone_sequence_that_cannot_run_ends_with_length_or_507(thread):

@@ -3,6 +3,7 @@
 queue in pieces), scored as sentence-transformers' CrossEncoder scores them; Jina's shape on
 /v1/rerank and Cohere's on /v2/rerank; max_tokens_per_doc as transformers' truncation."""
 
+import math
 import random
 
 import httpx
@@ -246,3 +247,25 @@ def test_priority_is_checked_as_each_api_defines_it(server, route, priority, sta
     body = {"query": QUERY, "documents": LONG, "priority": priority}
     answer = httpx.post(f"{server.url}{route}", json=body, timeout=30)
     assert answer.status_code == status, answer.text
+
+
+@pytest.mark.parametrize("route", ["/v1/rerank", "/v2/rerank"])
+def test_raw_scores_are_the_logits_transformers_computes(server, reference_model, route):
+    tokenizer, module = reference_model
+    body = {"query": QUERY, "documents": LONG, "raw_scores": True, "return_documents": True}
+    answer = httpx.post(f"{server.url}{route}", json=body, timeout=30)
+    found = scores_by_index(answer, len(LONG))
+    with torch.inference_mode():
+        logits = [
+            module(**tokenizer(QUERY, text, return_tensors="pt")).logits.item() for text in LONG
+        ]
+    assert found == pytest.approx(logits, abs=1e-5)
+    assert any(not 0 < s < 1 for s in found)  # logits, not probabilities
+    # Ranked as the scores rank them; without raw_scores, the same order of sigmoids.
+    results = answer.json()["results"]
+    assert [r["index"] for r in results] == sorted(range(4), key=lambda i: -logits[i])
+    plain = scores_by_index(
+        httpx.post(f"{server.url}{route}", json={"query": QUERY, "documents": LONG}, timeout=30),
+        len(LONG),
+    )
+    assert plain == pytest.approx([1 / (1 + math.exp(-x)) for x in logits], abs=1e-6)

@@ -76,6 +76,10 @@ class CohereRerankRequest(BaseModel):
     return_documents: bool = Field(
         False, description="Include each result's document as document.text (Cohere's v1)."
     )
+    raw_scores: bool = Field(
+        False,
+        description="Not Cohere's: scores before the model's score function, as on /v1/rerank.",
+    )
     priority: int = Field(
         0,
         ge=0,
@@ -129,7 +133,7 @@ async def handle_cohere_rerank(request: Request) -> ASGIApp:
     ranking = await rank_documents(
         request, model=body.model, query=body.query, documents=documents, top_n=body.top_n,
         endpoint=ENDPOINT, max_tokens_per_doc=body.max_tokens_per_doc, priority=-body.priority,
-        schema_status=SCHEMA_STATUS,
+        schema_status=SCHEMA_STATUS, raw_scores=body.raw_scores,
     )  # fmt: skip
     return JsonAnswer(encode_cohere_rerank(ranking, documents, body.return_documents))
 
