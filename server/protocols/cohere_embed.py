@@ -4,8 +4,8 @@ The request and response are Cohere's v2 Embed API, so its ``cohere.ClientV2`` w
 unmodified: ``texts`` (or ``inputs`` of text content), ``input_type`` mapped to the model's
 prompts as sentence-transformers' ``encode_query`` and ``encode_document`` read them,
 ``embedding_types`` (several at once, each a key of ``embeddings``), ``output_dimension``
-(Matryoshka) and ``truncate``. Errors read ``{"message", "error_type", "request_id"}``:
-Cohere's message, with our type and request id beside it.
+(Matryoshka) and ``truncate``. Errors read ``{"id", "message", "error_type"}``:
+Cohere's id (the request id) and message, with our type beside them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ..lean import (
 )
 from ..routes import timeout_header
 from ..schemas import MAX_PRIORITY
-from .cohere_errors import cohere_error_response
+from .cohere_errors import CohereErrorBody, cohere_error_response
 from .routes import protocol_route, protocol_validation
 
 EMBED_PATH = "/v2/embed"
@@ -138,14 +138,8 @@ class CohereEmbedResponse(BaseModel):
     response_type: Literal["embeddings_by_type"] = "embeddings_by_type"
 
 
-class CohereError(BaseModel):
-    message: str
-    error_type: str
-    request_id: str
-
-
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": CohereError, "description": description}
+    code: {"model": CohereErrorBody, "description": description}
     for code, description in {
         400: "Bad request: schema error, empty input, images, an embedding type or "
         "output_dimension the model cannot give",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import orjson
 from fastapi import Request
+from pydantic import BaseModel
 from starlette.responses import Response
 
 from ..errors import ApiError, request_id_of
@@ -13,6 +14,12 @@ from .routes import retry_headers
 
 COHERE_PATHS = frozenset({"/v2/embed", "/v2/rerank"})
 """The paths whose errors (a 401 included) read as Cohere's."""
+
+
+class CohereErrorBody(BaseModel):
+    id: str
+    message: str
+    error_type: str
 
 
 def cohere_error_response(request: Request, error: ApiError) -> Response:

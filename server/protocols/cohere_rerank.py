@@ -23,7 +23,7 @@ from ..lean import JsonAnswer, encode_json, lean_route, parse_body
 from ..rerank import Ranking, TimeoutParameter, rank_documents
 from ..routes import read_json_request
 from ..schemas import MIN_PRIORITY
-from .cohere_errors import cohere_error_response
+from .cohere_errors import CohereErrorBody, cohere_error_response
 from .routes import describe
 
 ENDPOINT = "/v2/rerank"
@@ -108,12 +108,6 @@ class CohereRerankResponse(BaseModel):
         description="api_version and billed_units as Cohere's (search_units: 1 per request), "
         "and tokens.input_tokens: the pairs' tokens."
     )
-
-
-class CohereErrorBody(BaseModel):
-    id: str
-    message: str
-    error_type: str
 
 
 def cohere_validation(exc: RequestValidationError) -> ApiError:
