@@ -53,6 +53,7 @@ def server(tmp_path_factory, folders):
         tmp_path_factory.mktemp("multi-server"),
         "--model", BUNDLED_MODEL, "--model", f"clf={folders['clf']}",
         "--model", f"rr={folders['rr']}", "--max-inputs-per-request", str(MAX_DOCUMENTS),
+        "--max-rerank-documents", str(MAX_DOCUMENTS),
         "--max-wait-ms", "2",
     ) as server:  # fmt: skip
         yield server
