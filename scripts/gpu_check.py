@@ -116,24 +116,26 @@ def workers(device: str, work: Path) -> bool:
 def generate(device: str, work: Path) -> bool:
     from .gpu_generate import generate_step
 
-    try:
-        figures = generate_step(device, work)
-    except Exception as exc:
-        logging.exception("generate failed")
-        figures = {"error": f"{type(exc).__name__}: {exc}"[:2000], "passed": False}
-    write_json(work / "generate.json", figures)
-    return bool(figures["passed"])
+    return _figures_of(GENERATE, generate_step, device, work, "generate.json")
 
 
 def generate_memory(device: str, work: Path) -> bool:
     from .gpu_generate_memory import memory_step
 
+    return _figures_of(GENERATE_MEMORY, memory_step, device, work, "generate_memory.json")
+
+
+def _figures_of(
+    name: str, step: Callable[[str, Path], dict[str, Any]], device: str, work: Path, file: str
+) -> bool:
+    """Run a step that returns its figures; a step that breaks is its error. Written to
+    ``work/file``; whether it passed."""
     try:
-        figures = memory_step(device, work)
+        figures = step(device, work)
     except Exception as exc:
-        logging.exception("generate-memory failed")
+        logging.exception("%s failed", name)
         figures = {"error": f"{type(exc).__name__}: {exc}"[:2000], "passed": False}
-    write_json(work / "generate_memory.json", figures)
+    write_json(work / file, figures)
     return bool(figures["passed"])
 
 

@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -181,3 +182,22 @@ async def engine_outputs(
         assert engine.cache_bytes == 0 or engine.running == []
         if own_thread:
             thread.close()
+
+
+def tiny_llama(folder: Path) -> tuple[Path, Any]:
+    """A two-layer random Llama with the bundled embedder's WordPiece tokenizer (a vocabulary
+    real prose tokenizes into): the load generator's and the benchmarks' stand-in."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from models.loading import BUNDLED_MODEL, resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(BUNDLED_MODEL))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=512, eos_token_id=tokenizer.sep_token_id,
+                         bos_token_id=tokenizer.cls_token_id,
+                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, tokenizer

@@ -4,31 +4,19 @@ tiny random-weight causal LM: streamed chunks, exact token counts, a joining pro
 import asyncio
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bench.generate.client import closed_loop_streams, completion_body, join_run, served_model
 from bench.generate.peers import naive_launch, start_server
 from bench.generate.stats import summarize_join, summarize_level
 from bench.generate.workload import GenerateSpec, long_prompt_request, make_generate_requests
-from models.loading import BUNDLED_MODEL, resolve_model_path
+from tests.generators import tiny_llama
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-lm")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(BUNDLED_MODEL))
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512, eos_token_id=tokenizer.sep_token_id,
-                         bos_token_id=tokenizer.cls_token_id,
-                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder, tokenizer
+    return tiny_llama(tmp_path_factory.mktemp("tiny-lm"))
 
 
 def test_streams_through_the_naive_server_count_every_token(tiny_lm, tmp_path):

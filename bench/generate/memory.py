@@ -50,12 +50,14 @@ MEMORY_PEERS = ("batchfit", "transformers", "vllm", "vllm-fitted")
 NO_LIMIT, LIMIT, SIBLING = "no limit", "limit", "limit + sibling"
 DEADLINE_FLAGS = ("--default-timeout-s", "900", "--max-timeout-s", "900")
 SIBLING_CODE = (
-    # As a process that grows does: 8 MiB every 40 ms, then held until it is killed.
+    # As a process that grows does: 8 MiB every 40 ms; says "held", then holds it until it
+    # is killed.
     "import sys, time\n"
     "blocks = []\n"
     "for _ in range(int(sys.argv[1]) // (8 << 20)):\n"
     "    blocks.append(bytearray(b'x' * (8 << 20)))\n"
     "    time.sleep(0.04)\n"
+    "print('held', flush=True)\n"
     "time.sleep(3600)\n"
 )
 

@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bench.cgroups import make_child_cgroup
-from models.loading import BUNDLED_MODEL, resolve_model_path
+from tests.generators import tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -25,16 +23,7 @@ def test_the_memory_phase_reports_each_peer_under_the_limit(tmp_path):
         make_child_cgroup("probe").remove()
     except OSError as exc:
         pytest.skip(f"no memory cgroup to make: {exc}")
-    folder = tmp_path / "tiny-lm"
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(BUNDLED_MODEL))
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512, eos_token_id=tokenizer.sep_token_id,
-                         bos_token_id=tokenizer.cls_token_id,
-                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder, _ = tiny_llama(tmp_path / "tiny-lm")
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "-m", "batchfit", "bench", "--generate", "--memory-limit", "--quick",

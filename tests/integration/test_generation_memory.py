@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from bench.cgroup_limit import scrape_value
+from bench.generate.memory import SIBLING_CODE
 from models.spec import BUNDLED_MODEL
 from models.testing import save_tiny_model
 from tests.cgroups import child_cgroup
@@ -46,16 +47,6 @@ ROOM = 300 * MiB
 SIBLING = 200 * MiB
 LOOSE = 8 * 2**30
 """While the replica loads and warms up."""
-SIBLING_CODE = (
-    # As a process that grows does: 8 MiB every 40 ms, 200 MiB in a second.
-    "import sys, time\n"
-    "blocks = []\n"
-    "for _ in range(int(sys.argv[1]) // (8 << 20)):\n"
-    "    blocks.append(bytearray(b'x' * (8 << 20)))\n"
-    "    time.sleep(0.04)\n"
-    "print('held', flush=True)\n"
-    "time.sleep(600)\n"
-)
 
 
 @pytest.fixture(scope="module")
