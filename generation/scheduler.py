@@ -32,8 +32,7 @@ class StepBudget:
     bytes_per_row: int = 0
     """The activations a sequence adds to a step as it joins: its row of logits."""
     window_bytes_per_token: int = 0
-    """The part of ``bytes_per_token`` (its sliding-window layers') a sequence holds ...
-    """
+    """The part of ``bytes_per_token`` its sliding-window layers hold ..."""
     window_tokens: int = 0
     """... for at most this many of its tokens (0: every token holds all of it)."""
     now: float = 0.0
