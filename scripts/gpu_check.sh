@@ -13,7 +13,7 @@
 # `batchfit bench --generate` of batchfit against the in-process limit on the device: a call
 # of its own, as the four steps fill one 10-minute call. --generate-memory runs, in a call of
 # its own too, 64 streams twice, the second time with a process taking 30% of the device's
-# memory halfway (docs/gpu.md).
+# memory a quarter of the way in (docs/gpu.md).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -1,6 +1,6 @@
 """The GPU check's generation-under-pressure step, dry run: scripts/gpu_check.sh
 --generate-memory on the CPU (the tiny Gemma, 8 streams, a second process taking 200 MiB of
-RAM halfway through the second run)."""
+RAM a quarter of the way through the second run)."""
 
 from __future__ import annotations
 
