@@ -19,8 +19,6 @@ from .sequence import Sequence
 from .timing import PrefillPacer, StepTimeModel, attended
 
 log = logging.getLogger("batchfit.generation")
-OTHERS_DECAY = 0.95
-"""What others took between two steps counts this much less at each step after."""
 
 
 class StepPacing:
@@ -31,11 +29,6 @@ class StepPacing:
         self.pacer = PrefillPacer(self.time_model)
         self.ceiling = StepCeiling()
         """Lowered by an OOM inside a step, raised back by clean steps."""
-        self.others_growth = 0.0
-        """The most memory others took between two steps lately (decaying by
-        ``OTHERS_DECAY`` a step): kept free besides the headroom, so that a neighbour still
-        growing finds it there at the next step too."""
-        self._could: float | None = None
 
     def budget(
         self, running: Seq[Sequence], reading: MemoryReading | None, cache_bytes: int,
@@ -68,15 +61,10 @@ class StepPacing:
             # The headroom is a share of all the cache could hold (what it holds and what is
             # free), not of what is free now: memory others take between two steps (a process
             # beside this one under the same cgroup) finds it still there when free runs low.
-            # What others took since the last step (all the cache could hold fell by it) is
-            # what they may take again before the next one.
             tokens = min(step_tokens, len(decoding) + prefill)
             reserve = self._model.step_bytes(tokens, 0, len(running))
             could = cache_bytes + reading.free_bytes
-            taken = 0.0 if self._could is None else self._could - could
-            self._could = could
-            self.others_growth = max(taken, self.others_growth * OTHERS_DECAY)
-            limit = max(0.0, could * (1 - config.headroom_fraction) - reserve - self.others_growth)
+            limit = max(0.0, could * (1 - config.headroom_fraction) - reserve)
         return StepBudget(
             max_running=min(config.max_running, ceiling.max_sequences or config.max_running),
             max_step_tokens=step_tokens,

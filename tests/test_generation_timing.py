@@ -115,24 +115,3 @@ def test_the_budget_keeps_room_for_the_step_it_allows_not_the_largest_step():
         [], MemoryReading(free_bytes=10 * free), 0, now=0.0
     )
     assert roomy.cache_bytes == 10 * free * 0.5 - 1000 * 2048
-
-
-def test_what_others_took_between_two_steps_is_kept_free_for_the_next_and_decays():
-    """A neighbour that took 1,000,000 bytes since the last step may take as much again
-    before the next: the budget keeps that free besides the headroom, less each step after."""
-    config = EngineConfig(max_step_tokens=2048, default_prefill_tokens=64, headroom_fraction=0.5)
-    pacing = StepPacing(config, Activations())
-    running = [seq(i, 10, cached=10, output=1) for i in range(3)]
-    reserve = 1000 * (3 + 64) + 10 * 3
-
-    def budget(free: int, cache: int = 5000) -> float:
-        return pacing.budget(running, MemoryReading(free_bytes=free), cache, now=0.0).cache_bytes
-
-    assert budget(10_000_000) == 10_005_000 * 0.5 - reserve
-    # Others took 1,000,000 (the cache held as much as before).
-    assert budget(9_000_000) == 9_005_000 * 0.5 - reserve - 1_000_000
-    # They hold it and take no more: what is kept for them decays step by step.
-    assert budget(9_000_000) == 9_005_000 * 0.5 - reserve - 1_000_000 * 0.95
-    assert budget(9_000_000) == 9_005_000 * 0.5 - reserve - 1_000_000 * 0.95**2
-    # The cache growing is not others taking memory: free fell by what the cache grew.
-    assert budget(8_990_000, cache=15_000) == 9_005_000 * 0.5 - reserve - 1_000_000 * 0.95**3
