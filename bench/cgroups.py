@@ -45,12 +45,18 @@ class ChildCgroup:
     def usage(self) -> int:
         return int(self._name("memory.usage_in_bytes", "memory.current").read_text())
 
-    def working_set(self) -> int:
+    def resident(self) -> int:
+        """Usage less the page cache the kernel can drop at will (file pages no process
+        maps): what a limit set this far above is really room for; usage itself counts
+        every file the replica read, which the kernel reclaims before anything is short."""
         stat = (self.directory / "memory.stat").read_bytes()
-        inactive = stat_field(
-            stat, b"total_inactive_file" if self.version == 1 else b"inactive_file"
+        prefix, mapped = (
+            (b"total_", b"total_mapped_file") if self.version == 1 else (b"", b"file_mapped")
         )
-        return self.usage() - (inactive or 0)
+        fields = [
+            stat_field(stat, prefix + name) or 0 for name in (b"inactive_file", b"active_file")
+        ]
+        return self.usage() - max(0, sum(fields) - (stat_field(stat, mapped) or 0))
 
     def reset_peak(self) -> None:
         """The peak counter restarts from the usage now (v2: as read through this fd)."""

@@ -2,9 +2,9 @@
 (a child memory cgroup), where the kernel kills instead of failing an allocation.
 
 Each server starts in its own fresh cgroup under a loose limit; once it is ready, the limit
-is set to its loaded usage plus the room (300 MiB), and the streams run. Then the same with
-a sibling process in the cgroup that takes 200 MiB halfway through (half of batchfit's
-unlimited run). Peers:
+is set to its loaded usage (less page cache nothing maps) plus the room (300 MiB), and the
+streams run. Then the same with a sibling process in the cgroup that takes 200 MiB halfway
+through (half of batchfit's unlimited run). Peers:
 
 - ``batchfit``: ``batchfit serve`` at its defaults (its cache follows the live reading), and
   once more without a limit: the reference for its own speed;
@@ -198,7 +198,7 @@ class _Runs:
             kills = cgroup.oom_kills()
             try:
                 with start_server(launch, options.log_dir, preexec=cgroup.join) as server:
-                    limit = cgroup.usage() + options.room_mib * MiB
+                    limit = cgroup.resident() + options.room_mib * MiB
                     if peer == "batchfit" and self.batchfit_limit is None:
                         self.batchfit_limit = limit
                     if case != NO_LIMIT:

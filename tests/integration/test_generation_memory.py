@@ -62,7 +62,7 @@ def reference():
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
     """The three models in one replica in a fresh memory cgroup; the limit is set to the
-    loaded usage plus ``ROOM`` once it is ready."""
+    resident usage (less the page cache) plus ``ROOM`` once it is ready."""
     root = tmp_path_factory.mktemp("generation-memory")
     reranker = save_tiny_model(root / "rr", task="rerank", seed=2)
     with child_cgroup("generation") as cgroup:
@@ -72,7 +72,9 @@ def replica(tmp_path_factory):
             "--model", f"{RR}={reranker}", "--chat-template", str(TEMPLATE),
             "--max-wait-ms", "20", ready_timeout_s=600, preexec=cgroup.join,
         ) as server:  # fmt: skip
-            limit = cgroup.usage() + ROOM
+            # Above what it holds, not above the files it read (the kernel would drop those
+            # first, and a sibling would then find room that was never the cache's).
+            limit = cgroup.resident() + ROOM
             cgroup.set_limit(limit)
             cgroup.reset_peak()
             yield server, cgroup, limit
