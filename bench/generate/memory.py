@@ -41,6 +41,7 @@ from . import vllm_env
 from .client import closed_loop_streams, completion_body, served_model
 from .limit import measure_limit
 from .peers import Launch, PeerError, batchfit_launch, start_server, vllm_launch
+from .watch import watch
 from .workload import GenerateSpec, GenRequest, make_generate_requests
 
 log = logging.getLogger("batchfit.bench")
@@ -104,6 +105,10 @@ class MemoryRun:
     error: str | None = None
     errors: dict[str, int] = field(default_factory=dict)
     """The failed streams' errors (status and the start of their message), counted."""
+    mean_running: float = math.nan
+    """Sequences running at once, averaged over the run (the server's own gauge)."""
+    preempted: float = math.nan
+    resumed: float = math.nan
 
 
 @dataclass
@@ -207,11 +212,13 @@ class _Runs:
                     cgroup.reset_peak()
                     model = asyncio.run(served_model(server.url))
                     bodies = [completion_body(r, model) for r in self.requests]
-                    with self._sibling(cgroup, case):
+                    with self._sibling(cgroup, case), watch(server.url, peer) as watched:
                         stream_run = asyncio.run(closed_loop_streams(
                             server.url, bodies, concurrency=len(bodies),
                             max_duration_s=options.max_run_s, drain_s=60,
                             timeout_s=options.max_run_s))  # fmt: skip
+                    run.mean_running = watched.mean_running
+                    run.preempted, run.resumed = watched.preempted, watched.resumed
                     ok = [o for o in stream_run.outcomes if o.ok]
                     for o in stream_run.outcomes:
                         if not o.ok:
@@ -324,19 +331,27 @@ def render(result: MemoryResult, command: str) -> str:
         "",
         f"`{command}`, {result.started_at}, {result.wall_s / 60:.1f} min. {options.streams} "
         f"streams at once, each its own prompt and `max_tokens` (`ignore_eos`), in a memory "
-        f"cgroup whose limit is the server's loaded usage plus {options.room_mib} MiB; "
+        f"cgroup whose limit is the server's loaded usage (less page cache nothing maps) "
+        f"plus {options.room_mib} MiB; "
         f"'{SIBLING}': a process in the same cgroup takes {options.sibling_mib} MiB halfway "
         "through. Killed: the cgroup's `oom_kill` events. Peak: the cgroup's, page cache "
-        "included.",
+        "included. Running, preempted and resumed: the server's own metrics, where it has "
+        "them (running: sampled once a second).",
         "",
-        "| peer | case | limit (MiB) | finished | failed | killed | peak (MiB) | output tok/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| peer | case | limit (MiB) | finished | failed | killed | peak (MiB) | output tok/s "
+        "| running (mean) | preempted | resumed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in result.runs:
         limit = "none" if run.limit_bytes is None else f"{run.limit_bytes / MiB:.0f}"
-        speed = "n/a" if math.isnan(run.output_tokens_per_s) else f"{run.output_tokens_per_s:.1f}"
+        speed, running, preempted, resumed = (
+            "n/a" if math.isnan(value) else f"{value:.{digits}f}"
+            for value, digits in ((run.output_tokens_per_s, 1), (run.mean_running, 1),
+                                  (run.preempted, 0), (run.resumed, 0))
+        )  # fmt: skip
         lines.append(f"| {run.peer} | {run.case} | {limit} | {run.finished} | {run.failed} | "
-                     f"{run.killed} | {run.peak_bytes / MiB:.0f} | {speed} |")  # fmt: skip
+                     f"{run.killed} | {run.peak_bytes / MiB:.0f} | {speed} | {running} | "
+                     f"{preempted} | {resumed} |")  # fmt: skip
     errors = [r for r in result.runs if r.error]
     if errors:
         lines += ["", "Errors:", ""]

@@ -39,6 +39,8 @@ def test_the_memory_phase_reports_each_peer_under_the_limit(tmp_path):
         run = runs["batchfit", case]
         assert (run["finished"], run["failed"], run["killed"]) == (8, 0, 0), run
         assert run["output_tokens_per_s"] > 0
+        # Its own counters, read before and after the run.
+        assert run["preempted"] >= 0 and run["resumed"] >= 0, run
     for case in cases[1:]:
         limit = runs["batchfit", case]["limit_bytes"]
         assert 0 < runs["batchfit", case]["peak_bytes"] <= limit
