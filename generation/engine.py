@@ -79,6 +79,8 @@ class GenerationEngine:
         self._to_free: list[int] = []
         self._to_forget: list[int] = []
         self.cache_bytes = 0
+        self.cache_slack_bytes = 0
+        """Of ``cache_bytes``, what lies past its sequences' positions (after the last step)."""
         """What the store held after the latest step."""
         self.pacing = StepPacing(config, model)
         self.healthy = True
@@ -225,7 +227,9 @@ class GenerationEngine:
 
     def _budget(self, now: float) -> StepBudget:
         reading = self._probe.read() if self._probe is not None else None
-        budget = self.pacing.budget(self.running, reading, self.cache_bytes, now)
+        budget = self.pacing.budget(
+            self.running, reading, self.cache_bytes, now, slack_bytes=self.cache_slack_bytes
+        )
         if budget.cache_bytes is not None:
             self.metrics.cache_budget_bytes.set(budget.cache_bytes)
         return budget
@@ -302,7 +306,7 @@ class GenerationEngine:
         now = self._clock.now()
         elapsed = now - started
         self.num_steps += 1
-        self.cache_bytes = result.cache_bytes
+        self.cache_bytes, self.cache_slack_bytes = result.cache_bytes, result.slack_bytes
         self.metrics.cache_bytes.set(result.cache_bytes)
         if request.chunks:
             self.pacing.learn(request, len(plan.decode), elapsed)

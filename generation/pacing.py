@@ -32,12 +32,12 @@ class StepPacing:
 
     def budget(
         self, running: Seq[Sequence], reading: MemoryReading | None, cache_bytes: int,
-        now: float,
+        now: float, slack_bytes: int = 0,
     ) -> StepBudget:  # fmt: skip
         """The next step's budget: with sequences decoding, prompt tokens beside them within
         ``prefill_time_factor`` of their own step (the first of them deeper into a prompt
         costing more); without, up to ``max_step_tokens``. ``cache_bytes``: what the store
-        holds now."""
+        holds now; ``slack_bytes``: of that, what lies past its sequences' positions."""
         config = self.config
         decoding = [s for s in running if s.num_pending <= 1]
         if decoding:
@@ -70,10 +70,11 @@ class StepPacing:
             max_step_tokens=step_tokens,
             max_prefill_tokens=prefill,
             bytes_per_token=self._model.cache_bytes_per_token,
-            bytes_per_row=self._model.step_bytes(0, 0, 1),
+            bytes_per_row=self._model.step_bytes(0, 0, 2) - self._model.step_bytes(0, 0, 1),
             window_bytes_per_token=self._model.cache_window_bytes_per_token,
             window_tokens=self._model.cache_window_tokens,
             cache_bytes=limit,
+            slack_bytes=slack_bytes,
             now=now,
             priority_aging_s=config.priority_aging_s,
         )

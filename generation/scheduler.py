@@ -35,6 +35,9 @@ class StepBudget:
     """The part of ``bytes_per_token`` its sliding-window layers hold ..."""
     window_tokens: int = 0
     """... for at most this many of its tokens (0: every token holds all of it)."""
+    slack_bytes: int = 0
+    """What the store holds past its sequences' positions (capacity kept to grow into):
+    held, so it counts against ``cache_bytes``, which the scheduler fills with tokens."""
     now: float = 0.0
     priority_aging_s: float = 0.0
     """A waiting sequence's priority rises by one every this many seconds (0: never)."""
@@ -65,7 +68,8 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
     """The next step.
 
     - Running sequences keep their places, by effective priority then arrival; where their
-      next tokens (and ``GROWTH_TOKENS`` each to grow by) do not fit ``cache_bytes``, the
+      next tokens (and ``GROWTH_TOKENS`` each to grow by) do not fit ``cache_bytes`` (less
+      the store's slack), the
       last of them (the newest of the lowest priority) are preempted, down to one.
     - Every running sequence with one pending token decodes; those still prefilling go on
       with chunks under ``max_prefill_tokens``.
@@ -78,6 +82,8 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
     order = lambda s: (-effective_priority(s, now, aging), s.arrival_s, s.seq_id)  # noqa: E731
     running = sorted(running, key=order)
     limit = budget.cache_bytes
+    if limit is not None:
+        limit -= budget.slack_bytes
     preempt: list[Sequence] = []
     if limit is not None:
         while len(running) > 1 and _held(running, budget) > limit:

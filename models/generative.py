@@ -88,6 +88,9 @@ class StepResult:
 
     tokens: list[SampledToken]
     cache_bytes: int
+    slack_bytes: int = 0
+    """Of ``cache_bytes``, what its buffers hold past their sequences' positions (capacity
+    kept to grow into)."""
 
 
 @runtime_checkable

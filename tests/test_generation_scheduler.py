@@ -139,3 +139,18 @@ def test_sliding_window_layers_count_a_long_sequence_up_to_their_window_only():
     plan = schedule(running, [], budget(cache_bytes=2 * each, bytes_per_token=6))
     assert [s.seq_id for s in plan.preempt] == [2]
     assert 6 * tokens > 2 * each
+
+
+def test_what_the_store_holds_past_its_positions_counts_against_the_budget():
+    """Buffers are held a little ahead of their tokens: that slack is memory the cache holds,
+    so it leaves less for tokens, as admission and preemption see it."""
+    running = [seq(1, 10, cached=10, output=1), seq(2, 10, cached=10, output=1)]
+    each = 10 + 1 + GROWTH_TOKENS
+    need = 5 + GROWTH_TOKENS
+    fits = budget(cache_bytes=2 * each + need)
+    assert [s.seq_id for s, _ in schedule(running, [seq(3, 5)], fits).prefill] == [3]
+    slack = budget(cache_bytes=2 * each + need, slack_bytes=1)
+    assert schedule(running, [seq(3, 5)], slack).prefill == ()
+    # Past the budget with it: the newest running sequence gives way.
+    plan = schedule(running, [], budget(cache_bytes=2 * each, slack_bytes=1))
+    assert [s.seq_id for s in plan.preempt] == [2]

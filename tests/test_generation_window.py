@@ -37,14 +37,17 @@ def test_the_store_holds_a_window_of_the_sliding_layers(gemma):
     store = model.store
     per_layer = store.bytes_per_token // 6
     assert store.window_bytes_per_token == 5 * per_layer  # five of six layers slide
+    store.clear()  # what the engine of the test before left at its stop
     before, seq_id = store.bytes_held, 10_000
     # A 400-token prompt in one chunk holds every position while it is prefilled ...
     model.step(StepRequest([SeqChunk(seq_id, list(range(5, 405)), 0, GREEDY)]))
     assert store.bytes_held - before == 448 * store.bytes_per_token
     # ... and once it decodes, its sliding layers keep the window (128 positions) only.
-    model.step(StepRequest([SeqChunk(seq_id, [7], 400, GREEDY)]))
+    result = model.step(StepRequest([SeqChunk(seq_id, [7], 400, GREEDY)]))
     held = store.bytes_held - before
     assert held == (448 + 5 * 128) * per_layer
+    # What it holds past its 401 positions: the full layer's capacity ahead of them.
+    assert result.slack_bytes == (448 - 401) * per_layer
     assert held <= store.sequence_bytes(401) + 64 * per_layer
     assert held < 0.5 * 401 * store.bytes_per_token  # every layer would hold 401
     model.step(StepRequest([], free=[seq_id], forget=[seq_id]))

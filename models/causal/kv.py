@@ -2,9 +2,11 @@
 
 A sequence's full-attention layers share one buffer ``[layers, 2, kv_heads, capacity,
 head_dim]`` from position 0; attention reads a view of its first positions, with no gather
-and no copy per step. Growing copies the buffer into one half again as large (rounded up),
-so a sequence of ``n`` tokens is copied O(n) times in all; freeing drops it at once, so what
-the store holds follows the sequences that run.
+and no copy per step. Growing copies the buffer into one an eighth again as large (rounded
+up), so a sequence of ``n`` tokens copies about ``8 n`` positions in all (milliseconds over
+its life) and holds at most an eighth (or ``ROUND_TO`` positions) more than it uses; the
+budget counts what it holds. Freeing drops it at once, so what the store holds follows the
+sequences that run.
 
 Sliding-window layers (Gemma 3's five in six) share a second buffer of the same layout that
 starts at position ``base``: a query sees only the last ``window`` keys, so once a sequence
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-GROWTH = 1.5
+GROWTH = 1.125
 ROUND_TO = 64
 """Capacities are whole multiples of this many tokens."""
 WINDOW_SLACK = 64
@@ -37,12 +39,14 @@ class SeqBuffers:
     """One sequence's keys and values: ``full`` from position 0, ``window`` (sliding-window
     layers) from position ``base``; either is None where the model has no such layers."""
 
-    __slots__ = ("base", "full", "window")
+    __slots__ = ("base", "full", "length", "window")
 
     def __init__(self) -> None:
         self.full: torch.Tensor | None = None
         self.window: torch.Tensor | None = None
         self.base = 0
+        self.length = 0
+        """The positions it has (those its last step reserved)."""
 
     def layer(self, kind: int) -> tuple[torch.Tensor, int]:
         """The buffer of this kind of layer and the position its first slot holds."""
@@ -101,13 +105,19 @@ class KVStore:
             seq.full = self._grown(seq.full, self._counts[FULL], length, keep, 0)
         if self._counts[WINDOW]:
             self._slide(seq, length, keep)
+        seq.length = length
         return seq
+
+    def slack_bytes(self) -> int:
+        """What the buffers hold past their sequences' positions: capacity to grow into."""
+        used = sum(self.sequence_bytes(seq.length) for seq in self._seqs.values())
+        return max(0, self.bytes_held - used)
 
     def _grown(
         self, buffer: torch.Tensor | None, layers: int, length: int, keep: int, wanted: int
     ) -> torch.Tensor:
-        """``buffer`` with room for ``length`` slots, its first ``keep`` kept; grown one half
-        again at least (or to ``wanted`` where given)."""
+        """``buffer`` with room for ``length`` slots, its first ``keep`` kept; grown by
+        ``GROWTH`` at least (or to ``wanted`` where given)."""
         capacity = 0 if buffer is None else buffer.shape[3]
         if length <= capacity:
             assert buffer is not None

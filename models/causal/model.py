@@ -51,6 +51,12 @@ class CausalLM:
         self.cache_window_tokens = self.store.window_tokens
         self._sampler = Sampler(device)
         self._vocab_size = int(config.vocab_size)
+        # The LM head's row of logits for each sampled row (a second where the model caps
+        # them, Gemma 2's tanh, as a new tensor), and a float copy where it computes in
+        # another type.
+        element = info.shape.element_bytes
+        capped = 2 if getattr(config, "final_logit_softcapping", None) else 1
+        self._row_bytes = self._vocab_size * (element * capped + (4 if element != 4 else 0))
 
     def preparer(self) -> PromptTokenizer:
         return self._prompts
@@ -64,8 +70,9 @@ class CausalLM:
     def step_bytes(self, num_tokens: int, attended: int, num_sampled: int) -> int:
         """Activations of one step: the widest per-token tensors (hidden states, the
         feed-forward's intermediate ones, queries, keys and values) for every token, every
-        head's scores for every query-key pair, and the logits (with their softmax) of the
-        rows that sample."""
+        head's scores for every query-key pair, the logits of the rows that sample, and the
+        working rows of the one row the sampler is on (a softmax, a sort's values and
+        indices: three rows of float32)."""
         shape = self.info.shape
         element = shape.element_bytes
         per_token = element * (
@@ -74,7 +81,7 @@ class CausalLM:
             + 2 * shape.num_heads * (shape.head_dim or 0)
         )
         scores = 4 * shape.num_heads * attended
-        logits = 3 * 4 * self._vocab_size * num_sampled
+        logits = self._row_bytes * num_sampled + (3 * 4 * self._vocab_size if num_sampled else 0)
         return num_tokens * per_token + scores + logits
 
     def step(self, request: StepRequest) -> StepResult:
@@ -93,7 +100,7 @@ class CausalLM:
             # NOTE: raised outside the except block so that no traceback (and none of the
             # frames holding the failed step's tensors) stays reachable from our error.
             raise error
-        return StepResult(tokens, self.store.bytes_held)
+        return StepResult(tokens, self.store.bytes_held, self.store.slack_bytes())
 
     def _step(self, request: StepRequest) -> list:
         ids: list[int] = []
