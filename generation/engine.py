@@ -203,9 +203,12 @@ class GenerationEngine:
         """Drop what ended, schedule, and build the step's request (None: nothing to do)."""
         now = self._clock.now()
         self._drop_ended(now)
-        plan = schedule(self.running, self.waiting, self._budget(now))
+        budget = self._budget(now)
+        plan = schedule(self.running, self.waiting, budget)
         for seq in plan.preempt:
             self._preempt(seq, "memory")
+        if budget.cache_bytes is not None:
+            self.pacing.planned(len(plan.preempt))
         chunks = []
         for seq in plan.decode:
             # NOTE: its one pending token is its latest output, or the last of a prompt whose

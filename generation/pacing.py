@@ -19,6 +19,11 @@ from .sequence import Sequence
 from .timing import PrefillPacer, StepTimeModel, attended
 
 log = logging.getLogger("batchfit.generation")
+GROWTH_SHARE_START = 0.5
+GROWTH_SHARE_UP = 0.1
+"""Added to the growth share by each step that preempts for memory ..."""
+GROWTH_SHARE_DOWN = 0.001
+"""... and taken off it by each step that does not."""
 
 
 class StepPacing:
@@ -29,6 +34,12 @@ class StepPacing:
         self.pacer = PrefillPacer(self.time_model)
         self.ceiling = StepCeiling()
         """Lowered by an OOM inside a step, raised back by clean steps."""
+        self.growth_share = GROWTH_SHARE_START
+        """The share of the tokens each running sequence may still make that admission keeps
+        room for. Sequences that end early (an end-of-sequence token, a stop) need less than
+        their ``max_tokens``; running ones that outgrow the room are preempted and make
+        their tokens again. So it rises with every step that preempts and falls slowly with
+        every step that does not, towards the share at which preemption is rare."""
 
     def budget(
         self, running: Seq[Sequence], reading: MemoryReading | None, cache_bytes: int,
@@ -74,10 +85,18 @@ class StepPacing:
             window_bytes_per_token=self._model.cache_window_bytes_per_token,
             window_tokens=self._model.cache_window_tokens,
             cache_bytes=limit,
+            growth_share=self.growth_share,
             slack_bytes=slack_bytes,
             now=now,
             priority_aging_s=config.priority_aging_s,
         )
+
+    def planned(self, num_preempted: int) -> None:
+        """A step was planned, ``num_preempted`` sequences preempted for memory by it."""
+        if num_preempted:
+            self.growth_share = min(1.0, self.growth_share + GROWTH_SHARE_UP)
+        else:
+            self.growth_share = max(0.0, self.growth_share - GROWTH_SHARE_DOWN)
 
     def learn(self, request: StepRequest, num_decode: int, elapsed_s: float) -> None:
         """A step ran: its time, for the time model; for the pacer too (its first

@@ -7,13 +7,14 @@ does no I/O: the engine reads memory and the clock, and tests step it by hand.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from .sequence import Sequence
 
 GROWTH_TOKENS = 16
-"""Room kept for every running sequence to grow by, before another is admitted."""
+"""Room every running sequence must have to grow by, or the newest give way."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,10 @@ class StepBudget:
     """The part of ``bytes_per_token`` its sliding-window layers hold ..."""
     window_tokens: int = 0
     """... for at most this many of its tokens (0: every token holds all of it)."""
+    growth_share: float = 0.0
+    """Admission keeps room for every running sequence (and the one joining) to make this
+    share of the tokens it may still make (at least ``GROWTH_TOKENS``): more after steps
+    that preempted, less after steps that did not (``pacing.py``)."""
     slack_bytes: int = 0
     """What the store holds past its sequences' positions (capacity kept to grow into):
     held, so it counts against ``cache_bytes``, which the scheduler fills with tokens."""
@@ -74,9 +79,10 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
     - Every running sequence with one pending token decodes; those still prefilling go on
       with chunks under ``max_prefill_tokens``.
     - Waiting sequences then join in the same order while a sequence slot, prefill tokens
-      and memory for their whole pending tokens (and growth) and their row of logits
-      remain. The first that does not fit stops the others behind it, so FIFO among equals
-      holds; with nothing running it joins anyway (it can only run alone).
+      and memory remain: for their whole pending tokens and their row of logits, and for
+      every running sequence and each joining one to grow by ``growth_share`` of the tokens
+      it may still make. The first that does not fit stops the others behind it, so FIFO
+      among equals holds; with nothing running it joins anyway (it can only run alone).
     """
     now, aging = budget.now, budget.priority_aging_s
     order = lambda s: (-effective_priority(s, now, aging), s.arrival_s, s.seq_id)  # noqa: E731
@@ -97,13 +103,12 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
             count = min(seq.num_pending, prefill_left)
             prefill.append((seq, count))
             prefill_left -= count
-    used = _held(running, budget)
+    used = sum(_bytes(s.num_cached + s.num_pending + _growth(s, budget), budget) for s in running)
     slots = budget.max_running - len(running)
     for seq in sorted(waiting, key=order):
         if slots <= 0 or prefill_left <= 0:
             break
-        need = _bytes(seq.num_pending + min(GROWTH_TOKENS, max(seq.room, 0)), budget)
-        need += budget.bytes_per_row
+        need = _bytes(seq.num_pending + _growth(seq, budget), budget) + budget.bytes_per_row
         if limit is not None and used + need > limit and (running or prefill):
             break
         count = min(seq.num_pending, prefill_left)
@@ -120,6 +125,12 @@ def _held(running: Seq[Sequence], budget: StepBudget) -> float:
         _bytes(s.num_cached + min(s.num_pending, GROWTH_TOKENS) + GROWTH_TOKENS, budget)
         for s in running
     )
+
+
+def _growth(seq: Sequence, budget: StepBudget) -> int:
+    """The tokens admission keeps room for ``seq`` to make."""
+    room = max(seq.room, 0)
+    return min(room, max(GROWTH_TOKENS, math.ceil(budget.growth_share * room)))
 
 
 def _bytes(num_tokens: int, budget: StepBudget) -> int:

@@ -154,3 +154,23 @@ def test_what_the_store_holds_past_its_positions_counts_against_the_budget():
     # Past the budget with it: the newest running sequence gives way.
     plan = schedule(running, [], budget(cache_bytes=2 * each, slack_bytes=1))
     assert [s.seq_id for s in plan.preempt] == [2]
+
+
+def test_admission_keeps_room_for_the_growth_share_of_what_each_may_still_make():
+    """With a growth share of a half, a running sequence that may make 100 more tokens keeps
+    room for 50, and a joining one for half its own; preemption still asks only for
+    ``GROWTH_TOKENS``."""
+    running = [seq(1, 10, cached=10, output=1, max_tokens=101)]  # 100 still to make
+    joining = seq(2, 20, max_tokens=60)
+    need = 20 + 30 + 0  # its prompt and half its 60
+    held = 10 + 1 + 50
+    fits = budget(cache_bytes=held + need, growth_share=0.5)
+    assert [s.seq_id for s, _ in schedule(running, [joining], fits).prefill] == [2]
+    short = budget(cache_bytes=held + need - 1, growth_share=0.5)
+    plan = schedule(running, [joining], short)
+    assert plan.prefill == () and plan.preempt == ()
+    # A share of 0 keeps GROWTH_TOKENS each, and a sequence near its end no more than it has.
+    assert schedule(running, [joining], budget(cache_bytes=(11 + 16) + (20 + 16))).prefill
+    ending = seq(3, 10, cached=107, output=98, max_tokens=100)  # 2 still to make
+    tight = budget(cache_bytes=(108 + 2) + (20 + 30), growth_share=0.5)
+    assert [s.seq_id for s, _ in schedule([ending], [joining], tight).prefill] == [2]

@@ -6,7 +6,7 @@ import pytest
 
 from batching import MemoryReading
 from generation import EngineConfig, StepTimeModel
-from generation.pacing import StepPacing
+from generation.pacing import GROWTH_SHARE_DOWN, GROWTH_SHARE_START, GROWTH_SHARE_UP, StepPacing
 from generation.timing import MIN_STEPS, PrefillPacer, attended
 from tests.test_generation_scheduler import seq
 
@@ -115,3 +115,26 @@ def test_the_budget_keeps_room_for_the_step_it_allows_not_the_largest_step():
         [], MemoryReading(free_bytes=10 * free), 0, now=0.0
     )
     assert roomy.cache_bytes == 10 * free * 0.5 - 1000 * 2048
+
+
+def test_the_growth_share_rises_with_steps_that_preempt_and_falls_slowly_without():
+    """Admission keeps room for running sequences to make this share of their remaining
+    tokens: each step that preempts for memory raises it, each that does not lowers it a
+    little, within 0 and 1; the budget carries it to the scheduler."""
+    pacing = StepPacing(EngineConfig(), Activations())
+
+    def share() -> float:
+        return pacing.budget([], MemoryReading(free_bytes=10**9), 0, now=0.0).growth_share
+
+    assert share() == GROWTH_SHARE_START
+    pacing.planned(2)
+    assert share() == pytest.approx(GROWTH_SHARE_START + GROWTH_SHARE_UP)
+    for _ in range(10):
+        pacing.planned(0)
+    assert share() == pytest.approx(GROWTH_SHARE_START + GROWTH_SHARE_UP - 10 * GROWTH_SHARE_DOWN)
+    for _ in range(20):
+        pacing.planned(1)
+    assert share() == 1.0
+    for _ in range(round(1 / GROWTH_SHARE_DOWN) + 10):
+        pacing.planned(0)
+    assert share() == 0.0
