@@ -79,9 +79,9 @@ class GenerationEngine:
         self._to_free: list[int] = []
         self._to_forget: list[int] = []
         self.cache_bytes = 0
-        self.cache_slack_bytes = 0
-        """Of ``cache_bytes``, what lies past its sequences' positions (after the last step)."""
         """What the store held after the latest step."""
+        self.cache_slack_bytes = 0
+        """Of ``cache_bytes``, what lies past its sequences' positions."""
         self.pacing = StepPacing(config, model)
         self.healthy = True
         self.num_steps = 0

@@ -73,9 +73,9 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
     """The next step.
 
     - Running sequences keep their places, by effective priority then arrival; where their
-      next tokens (and ``GROWTH_TOKENS`` each to grow by) do not fit ``cache_bytes`` (less
-      the store's slack), the
-      last of them (the newest of the lowest priority) are preempted, down to one.
+      next tokens (and ``GROWTH_TOKENS`` each to grow by) do not fit ``cache_bytes`` less
+      the store's slack, the last of them (the newest of the lowest priority) are
+      preempted, down to one.
     - Every running sequence with one pending token decodes; those still prefilling go on
       with chunks under ``max_prefill_tokens``.
     - Waiting sequences then join in the same order while a sequence slot, prefill tokens
