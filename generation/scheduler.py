@@ -88,10 +88,9 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
     order = lambda s: (-effective_priority(s, now, aging), s.arrival_s, s.seq_id)  # noqa: E731
     running = sorted(running, key=order)
     limit = budget.cache_bytes
-    if limit is not None:
-        limit -= budget.slack_bytes
     preempt: list[Sequence] = []
     if limit is not None:
+        limit -= budget.slack_bytes
         while len(running) > 1 and _held(running, budget) > limit:
             preempt.append(running.pop())
     decode = tuple(s for s in running if s.num_pending <= 1)
