@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cgroups import make_child_cgroup
+from tests.cgroups import child_cgroup
 from tests.generators import tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -19,10 +19,8 @@ MiB = 2**20
 
 
 def test_the_memory_phase_reports_each_peer_under_the_limit(tmp_path):
-    try:
-        make_child_cgroup("probe").remove()
-    except OSError as exc:
-        pytest.skip(f"no memory cgroup to make: {exc}")
+    with child_cgroup("probe"):  # fails under CI where none can be made, else skips
+        pass
     folder, _ = tiny_llama(tmp_path / "tiny-lm")
     out = tmp_path / "out"
     done = subprocess.run(
