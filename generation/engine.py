@@ -197,6 +197,7 @@ class GenerationEngine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 0.05)
             return
+        self.pacing.idle()
         await self._wake.wait()
 
     def _plan(self) -> tuple[StepPlan, StepRequest | None]:

@@ -40,6 +40,8 @@ class StepPacing:
         their ``max_tokens``; running ones that outgrow the room are preempted and make
         their tokens again. So it rises with every step that preempts and falls slowly with
         every step that does not, towards the share at which preemption is rare."""
+        self._last_read: tuple[float, int, int] | None = None
+        """When memory was last read: the time, what was free, what this process used."""
 
     def budget(
         self, running: Seq[Sequence], reading: MemoryReading | None, cache_bytes: int,
@@ -51,6 +53,7 @@ class StepPacing:
         holds now; ``slack_bytes``: of that, what lies past its sequences' positions."""
         config = self.config
         decoding = [s for s in running if s.num_pending <= 1]
+        step_s = None
         if decoding:
             # The next prompt chunk starts where the first still prefilling stopped (a new
             # prompt: at 0); how deep it is sets what its attention costs.
@@ -59,11 +62,15 @@ class StepPacing:
             alone = self.pacer.alone(len(decoding), sum(s.num_cached + 1 for s in decoding))
             tokens = self.pacer.tokens(alone, config.prefill_time_factor, depth=depth)
             prefill = config.default_prefill_tokens if tokens is None else max(tokens, 1)
+            if alone is not None:
+                step_s = alone * max(1.0, config.prefill_time_factor)
         else:
             prefill = config.max_step_tokens
         ceiling = self.ceiling
         step_tokens = min(config.max_step_tokens, ceiling.max_tokens or config.max_step_tokens)
         prefill = min(prefill, step_tokens)
+        if not decoding:
+            step_s = self.time_model.predict(prefill, attended(0, prefill), 1)
         limit = None
         if reading is not None and reading.free_bytes is not None:
             # The activations of the step this budget allows: its tokens, and a row of logits
@@ -75,7 +82,8 @@ class StepPacing:
             tokens = min(step_tokens, len(decoding) + prefill)
             reserve = self._model.step_bytes(tokens, 0, len(running))
             could = cache_bytes + reading.free_bytes
-            limit = max(0.0, could * (1 - config.headroom_fraction) - reserve)
+            taking = self._others_taking(reading, now, step_s)
+            limit = max(0.0, could * (1 - config.headroom_fraction) - reserve - taking)
         return StepBudget(
             max_running=min(config.max_running, ceiling.max_sequences or config.max_running),
             max_step_tokens=step_tokens,
@@ -90,6 +98,32 @@ class StepPacing:
             now=now,
             priority_aging_s=config.priority_aging_s,
         )
+
+    def _others_taking(self, reading: MemoryReading, now: float, step_s: float | None) -> float:
+        """What others are likely to take while the next step runs: what they took since the
+        last reading (free memory's fall less this process's own growth: a cache that grew,
+        a heap that kept a step's activations), at that rate for as long as the next step
+        takes (``step_s``, the time model's, within one and ``prefill_time_factor`` times
+        the interval it was read over: a rate read over a short interval is too noisy to
+        carry far). Only the latest interval counts: once others stop taking, the next
+        budget keeps nothing back for them."""
+        free = reading.free_bytes or 0
+        ours = reading.allocated_bytes if reading.allocated_bytes is not None else (
+            reading.used_bytes or 0)  # fmt: skip
+        last, self._last_read = self._last_read, (now, free, ours)
+        if last is None:
+            return 0.0
+        then, free_then, ours_then = last
+        interval = now - then
+        taken = (free_then - free) - (ours - ours_then)
+        if interval <= 0 or taken <= 0:
+            return 0.0
+        factor = max(1.0, self.config.prefill_time_factor)
+        return taken / interval * max(interval, min(step_s or interval, factor * interval))
+
+    def idle(self) -> None:
+        """Nothing runs or waits: the reading taken last is no base for a rate over the wait."""
+        self._last_read = None
 
     def planned(self, num_preempted: int) -> None:
         """A step was planned, ``num_preempted`` sequences preempted for memory by it."""

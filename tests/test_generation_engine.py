@@ -272,6 +272,37 @@ async def test_a_shrinking_budget_preempts_the_newest_and_they_resume_without_a_
     assert released == [1]
 
 
+class FallingProbe:
+    """Plenty of free memory at the first reading, little (but enough) at every later one."""
+
+    name = "scripted"
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def read(self) -> MemoryReading:
+        self.reads += 1
+        return MemoryReading(free_bytes=1 << 30 if self.reads == 1 else 10_000)
+
+
+async def test_memory_others_took_while_the_engine_idled_is_not_read_as_still_falling(thread):
+    """The room fell while nothing ran: that is where memory stands, not a rate at which
+    others keep taking it, so a burst after the wait joins in one step."""
+    model = ScriptedGenerator()
+    engine = GenerationEngine(
+        name="m", model=model, model_thread=thread, clock=MonotonicClock(),
+        metrics=GenerationMetrics(CollectorRegistry(), max_step_tokens=2048).for_model("m"),
+        config=EngineConfig(), probe=FallingProbe(),
+    )  # fmt: skip
+    task = asyncio.create_task(engine.run())
+    await asyncio.sleep(0.05)  # it read memory once, and waits for work
+    streams = [engine.submit([spec(5, 30)], timeout_s=10) for _ in range(4)]
+    for stream, _ in streams:
+        await read_all(stream)
+    await stop(engine, task)
+    assert len(model.steps[0]) == 4
+
+
 async def test_a_lone_sequence_that_cannot_run_ends_with_length_or_507(thread):
     model = ScriptedGenerator()
     engine, task = await started(model, thread)

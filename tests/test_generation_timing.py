@@ -138,3 +138,46 @@ def test_the_growth_share_rises_with_steps_that_preempt_and_falls_slowly_without
     for _ in range(round(1 / GROWTH_SHARE_DOWN) + 10):
         pacing.planned(0)
     assert share() == 0.0
+
+
+def test_while_others_take_memory_the_budget_keeps_back_what_they_take_in_a_step():
+    """Free memory fell by ``taken`` over the last second while this process used no more:
+    the next budget keeps that much more back (the step it allows takes no longer than a
+    second here). Once free memory stops falling, when the fall was this process's own
+    growth, or after an idle wait, it keeps nothing back."""
+    config = EngineConfig(max_step_tokens=2048, default_prefill_tokens=64, headroom_fraction=0.5)
+    pacing = StepPacing(config, Activations())
+    running = [seq(i, 10, cached=10, output=1) for i in range(3)]
+    free, used, taken = 10_000_000, 50_000_000, 1_000_000
+
+    def limit(now: float, free_bytes: int, used_bytes: int = used) -> float:
+        reading = MemoryReading(free_bytes=free_bytes, used_bytes=used_bytes)
+        return pacing.budget(running, reading, 5000, now=now).cache_bytes
+
+    steady = limit(0.0, free)
+    assert limit(1.0, free - taken) == pytest.approx(steady - taken * 0.5 - taken)
+    assert limit(2.0, free - taken) == pytest.approx(steady - taken * 0.5)
+    assert limit(3.0, free) == pytest.approx(steady)  # others gave memory back
+    assert limit(4.0, free - taken, used + taken) == pytest.approx(steady - taken * 0.5)
+    assert limit(5.0, free - 2 * taken, used + taken) == pytest.approx(steady - 2 * taken)
+    pacing.idle()
+    assert limit(60.0, free - 3 * taken) == pytest.approx(steady - taken * 1.5)
+
+
+def test_what_others_take_is_carried_over_the_next_step_but_no_further_than_the_factor():
+    """A decode step of these sequences alone takes 5 s, so the next step may take 10: what
+    others took over the last second is kept back for at most ``prefill_time_factor`` (2)
+    such seconds, as a rate read over a short interval is too noisy to carry far."""
+    config = EngineConfig(max_step_tokens=2048, default_prefill_tokens=64, headroom_fraction=0.5,
+                          prefill_time_factor=2.0)  # fmt: skip
+    pacing = StepPacing(config, Activations())
+    pacing.pacer.observe_alone(3, 5.0)
+    running = [seq(i, 10, cached=10, output=1) for i in range(3)]
+    free, taken = 10_000_000, 1_000_000
+
+    def limit(now: float, free_bytes: int) -> float:
+        reading = MemoryReading(free_bytes=free_bytes, used_bytes=0)
+        return pacing.budget(running, reading, 5000, now=now).cache_bytes
+
+    steady = limit(0.0, free)
+    assert limit(1.0, free - taken) == pytest.approx(steady - taken * 0.5 - 2 * taken)
