@@ -82,6 +82,8 @@ class GenerationEngine:
         """What the store held after the latest step."""
         self.cache_slack_bytes = 0
         """Of ``cache_bytes``, what lies past its sequences' positions."""
+        self.cache_growth_bytes = 0
+        """What the next step would add to ``cache_bytes`` (and copy) to grow buffers."""
         self.pacing = StepPacing(config, model)
         self.healthy = True
         self.num_steps = 0
@@ -232,8 +234,9 @@ class GenerationEngine:
     def _budget(self, now: float) -> StepBudget:
         reading = self._probe.read() if self._probe is not None else None
         budget = self.pacing.budget(
-            self.running, reading, self.cache_bytes, now, slack_bytes=self.cache_slack_bytes
-        )
+            self.running, reading, self.cache_bytes, now, slack_bytes=self.cache_slack_bytes,
+            growth_bytes=self.cache_growth_bytes,
+        )  # fmt: skip
         if budget.cache_bytes is not None:
             self.metrics.cache_budget_bytes.set(budget.cache_bytes)
         return budget
@@ -311,6 +314,7 @@ class GenerationEngine:
         elapsed = now - started
         self.num_steps += 1
         self.cache_bytes, self.cache_slack_bytes = result.cache_bytes, result.slack_bytes
+        self.cache_growth_bytes = result.growth_bytes
         self.metrics.cache_bytes.set(result.cache_bytes)
         if request.chunks:
             self.pacing.learn(request, len(plan.decode), elapsed)

@@ -45,12 +45,13 @@ class StepPacing:
 
     def budget(
         self, running: Seq[Sequence], reading: MemoryReading | None, cache_bytes: int,
-        now: float, slack_bytes: int = 0,
+        now: float, slack_bytes: int = 0, growth_bytes: int = 0,
     ) -> StepBudget:  # fmt: skip
         """The next step's budget: with sequences decoding, prompt tokens beside them within
         ``prefill_time_factor`` of their own step (the first of them deeper into a prompt
         costing more); without, up to ``max_step_tokens``. ``cache_bytes``: what the store
-        holds now; ``slack_bytes``: of that, what lies past its sequences' positions."""
+        holds now; ``slack_bytes``: of that, what lies past its sequences' positions;
+        ``growth_bytes``: what the next step takes besides to grow its buffers."""
         config = self.config
         decoding = [s for s in running if s.num_pending <= 1]
         step_s = None
@@ -75,12 +76,13 @@ class StepPacing:
         if reading is not None and reading.free_bytes is not None:
             # The activations of the step this budget allows: its tokens, and a row of logits
             # for every running sequence (each sequence that joins adds its own row, which
-            # the scheduler counts as it admits it).
+            # the scheduler counts as it admits it); and what the store takes to grow its
+            # buffers (the step that grows one holds the old one while it copies).
             # The headroom is a share of all the cache could hold (what it holds and what is
             # free), not of what is free now: memory others take between two steps (a process
             # beside this one under the same cgroup) finds it still there when free runs low.
             tokens = min(step_tokens, len(decoding) + prefill)
-            reserve = self._model.step_bytes(tokens, 0, len(running))
+            reserve = self._model.step_bytes(tokens, 0, len(running)) + growth_bytes
             could = cache_bytes + reading.free_bytes
             taking = self._others_taking(reading, now, step_s)
             limit = max(0.0, could * (1 - config.headroom_fraction) - reserve - taking)

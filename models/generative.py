@@ -91,6 +91,9 @@ class StepResult:
     slack_bytes: int = 0
     """Of ``cache_bytes``, what its buffers hold past their sequences' positions (capacity
     kept to grow into)."""
+    growth_bytes: int = 0
+    """What the next step would take past ``cache_bytes`` were every sequence to decode one
+    more token: the capacity its buffers grow by, and the largest buffer copied meanwhile."""
 
 
 @runtime_checkable

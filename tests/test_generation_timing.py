@@ -109,6 +109,10 @@ def test_the_budget_keeps_room_for_the_step_it_allows_not_the_largest_step():
     tokens = 3 + 64  # three decode tokens and the default prefill chunk beside them
     assert budget.cache_bytes == (5000 + free) * 0.5 - (1000 * tokens + 10 * 3)
     assert budget.bytes_per_row == 10 and budget.max_prefill_tokens == 64
+    growing = StepPacing(config, Activations()).budget(
+        running, MemoryReading(free_bytes=free), 5000, now=0.0, growth_bytes=700
+    )
+    assert growing.cache_bytes == budget.cache_bytes - 700
     alone = StepPacing(config, Activations()).budget([], MemoryReading(free_bytes=free), 0, 0.0)
     assert alone.cache_bytes == 0  # nothing decodes: a whole step, more than the room
     roomy = StepPacing(config, Activations()).budget(

@@ -113,6 +113,43 @@ class KVStore:
         used = sum(self.sequence_bytes(seq.length) for seq in self._seqs.values())
         return max(0, self.bytes_held - used)
 
+    def growth_bytes(self) -> int:
+        """What the next step takes past what the store holds were every sequence to take one
+        more position: the capacity its buffers grow by (or move to), and the largest buffer
+        copied meanwhile (the old one is held until its positions are in the new one)."""
+        grown, copied = 0, 0
+        for seq in self._seqs.values():
+            length = seq.length + 1
+            if seq.full is not None and length > seq.full.shape[3]:
+                capacity = seq.full.shape[3]
+                grown += (_rounded(max(length, int(capacity * GROWTH))) - capacity) * (
+                    self._counts[FULL] * self._layer_bytes
+                )
+                copied = max(copied, seq.full.numel() * seq.full.element_size())
+            if seq.window is not None:
+                tokens, copy = self._window_change(seq, length, seq.length)
+                grown += max(0, tokens) * self._counts[WINDOW] * self._layer_bytes
+                copied = max(copied, copy)
+        return grown + copied
+
+    def _window_change(self, seq: SeqBuffers, length: int, keep: int) -> tuple[int, int]:
+        """What ``_slide`` would do to ``seq``'s window buffer for positions up to ``length``:
+        the slots it gains (negative: gives back) and the bytes it copies through."""
+        buffer, base, cap = seq.window, seq.base, self.window_tokens
+        assert buffer is not None
+        capacity = buffer.shape[3]
+        whole = buffer.numel() * buffer.element_size()
+        lowest = max(base, keep - self._window + 1)
+        shrink = capacity > cap and lowest > base and length - lowest <= cap
+        if length - base <= capacity and not shrink:
+            return 0, 0
+        if lowest == base:
+            wanted = min(max(length - base, int(capacity * GROWTH)), max(length - base, cap))
+            return _rounded(wanted) - capacity, whole
+        if length - lowest <= capacity and capacity <= max(cap, _rounded(length - lowest)):
+            return 0, whole * (keep - lowest) // capacity
+        return _rounded(max(length - lowest, cap)) - capacity, whole
+
     def _grown(
         self, buffer: torch.Tensor | None, layers: int, length: int, keep: int, wanted: int
     ) -> torch.Tensor:

@@ -100,7 +100,8 @@ class CausalLM:
             # NOTE: raised outside the except block so that no traceback (and none of the
             # frames holding the failed step's tensors) stays reachable from our error.
             raise error
-        return StepResult(tokens, self.store.bytes_held, self.store.slack_bytes())
+        store = self.store
+        return StepResult(tokens, store.bytes_held, store.slack_bytes(), store.growth_bytes())
 
     def _step(self, request: StepRequest) -> list:
         ids: list[int] = []
