@@ -29,10 +29,21 @@ WINDOW_SLACK = 64
 """Positions a sliding-window buffer holds past its window, so that its live positions are
 moved to the front once every this many tokens, not every token."""
 FULL, WINDOW = 0, 1
+KEEP, GROW, MOVE, FRESH = range(4)
+"""What a sliding-window buffer does to take a step's positions (``KVStore._window_plan``)."""
 
 
 def _rounded(tokens: int) -> int:
     return -(-tokens // ROUND_TO) * ROUND_TO
+
+
+def _grown_size(capacity: int, length: int) -> int:
+    """The slots a buffer of ``capacity`` grows to, to hold ``length``: ``GROWTH`` at least."""
+    return _rounded(max(length, int(capacity * GROWTH)))
+
+
+def _nbytes(buffer: torch.Tensor) -> int:
+    return buffer.numel() * buffer.element_size()
 
 
 class SeqBuffers:
@@ -102,7 +113,10 @@ class KVStore:
         if seq is None:
             seq = self._seqs[seq_id] = SeqBuffers()
         if self._counts[FULL]:
-            seq.full = self._grown(seq.full, self._counts[FULL], length, keep, 0)
+            capacity = 0 if seq.full is None else seq.full.shape[3]
+            if length > capacity:
+                size = _grown_size(capacity, length)
+                seq.full = self._replaced(seq.full, self._counts[FULL], size, 0, keep)
         if self._counts[WINDOW]:
             self._slide(seq, length, keep)
         seq.length = length
@@ -122,77 +136,66 @@ class KVStore:
             length = seq.length + 1
             if seq.full is not None and length > seq.full.shape[3]:
                 capacity = seq.full.shape[3]
-                grown += (_rounded(max(length, int(capacity * GROWTH))) - capacity) * (
-                    self._counts[FULL] * self._layer_bytes
-                )
-                copied = max(copied, seq.full.numel() * seq.full.element_size())
+                slots = _grown_size(capacity, length) - capacity
+                grown += slots * self._counts[FULL] * self._layer_bytes
+                copied = max(copied, _nbytes(seq.full))
             if seq.window is not None:
-                tokens, copy = self._window_change(seq, length, seq.length)
-                grown += max(0, tokens) * self._counts[WINDOW] * self._layer_bytes
-                copied = max(copied, copy)
+                capacity = seq.window.shape[3]
+                kind, size, base = self._window_plan(capacity, seq.base, length, seq.length)
+                grown += max(0, size - capacity) * self._counts[WINDOW] * self._layer_bytes
+                if kind == MOVE:  # a copy of the live positions only
+                    copied = max(copied, _nbytes(seq.window) * (seq.length - base) // capacity)
+                elif kind != KEEP:
+                    copied = max(copied, _nbytes(seq.window))
         return grown + copied
 
-    def _window_change(self, seq: SeqBuffers, length: int, keep: int) -> tuple[int, int]:
-        """What ``_slide`` would do to ``seq``'s window buffer for positions up to ``length``:
-        the slots it gains (negative: gives back) and the bytes it copies through."""
-        buffer, base, cap = seq.window, seq.base, self.window_tokens
-        assert buffer is not None
-        capacity = buffer.shape[3]
-        whole = buffer.numel() * buffer.element_size()
-        lowest = max(base, keep - self._window + 1)
-        shrink = capacity > cap and lowest > base and length - lowest <= cap
-        if length - base <= capacity and not shrink:
-            return 0, 0
-        if lowest == base:
-            wanted = min(max(length - base, int(capacity * GROWTH)), max(length - base, cap))
-            return _rounded(wanted) - capacity, whole
-        if length - lowest <= capacity and capacity <= max(cap, _rounded(length - lowest)):
-            return 0, whole * (keep - lowest) // capacity
-        return _rounded(max(length - lowest, cap)) - capacity, whole
-
-    def _grown(
-        self, buffer: torch.Tensor | None, layers: int, length: int, keep: int, wanted: int
-    ) -> torch.Tensor:
-        """``buffer`` with room for ``length`` slots, its first ``keep`` kept; grown by
-        ``GROWTH`` at least (or to ``wanted`` where given)."""
-        capacity = 0 if buffer is None else buffer.shape[3]
-        if length <= capacity:
-            assert buffer is not None
-            return buffer
-        size = _rounded(wanted or max(length, int(capacity * GROWTH)))
-        grown = self._new(layers, size)
-        if buffer is not None and keep:
-            grown[:, :, :, :keep] = buffer[:, :, :, :keep]
-        self.bytes_held -= 0 if buffer is None else buffer.numel() * buffer.element_size()
-        return grown
-
-    def _slide(self, seq: SeqBuffers, length: int, keep: int) -> None:
-        layers, cap = self._counts[WINDOW], self.window_tokens
-        buffer, base = seq.window, seq.base
-        if buffer is not None and keep < base:  # the sequence starts again: what it held goes
-            self.bytes_held -= buffer.numel() * buffer.element_size()
-            buffer, base = None, 0
-            seq.window, seq.base = None, 0
-        capacity = 0 if buffer is None else buffer.shape[3]
+    def _window_plan(
+        self, capacity: int, base: int, length: int, keep: int
+    ) -> tuple[int, int, int]:
+        """What a window buffer of ``capacity`` slots from position ``base`` becomes to hold
+        positions up to ``length``, its first ``keep`` kept: how (``KEEP``, ``GROW``,
+        ``MOVE`` or ``FRESH``), its capacity then, and the position its first slot holds."""
+        cap = self.window_tokens
         lowest = max(base, keep - self._window + 1)  # queries from ``keep`` on see no further
         # Past a long chunk, back to the cap as soon as what is live fits it.
         shrink = capacity > cap and lowest > base and length - lowest <= cap
         if length - base <= capacity and not shrink:
-            return
-        if buffer is None or lowest == base:  # nothing to drop yet: grow, up to the cap
+            return KEEP, capacity, base
+        if not capacity or lowest == base:  # nothing to drop yet: grow, up to the cap
             wanted = min(max(length - base, int(capacity * GROWTH)), max(length - base, cap))
-            seq.window = self._grown(buffer, layers, length - base, keep - base, wanted)
-            return
-        live = keep - lowest
+            return GROW, _rounded(wanted), base
         if length - lowest <= capacity and capacity <= max(cap, _rounded(length - lowest)):
-            # Move the live positions to the front, in place.
-            buffer[:, :, :, :live] = buffer[:, :, :, lowest - base : keep - base].clone()
-        else:  # too small for a long chunk, or larger than the cap after one: a new one
-            fresh = self._new(layers, _rounded(max(length - lowest, cap)))
-            fresh[:, :, :, :live] = buffer[:, :, :, lowest - base : keep - base]
-            self.bytes_held -= buffer.numel() * buffer.element_size()
-            seq.window = fresh
+            return MOVE, capacity, lowest  # the live positions to the front, in place
+        # Too small for a long chunk, or larger than the cap after one: a new one.
+        return FRESH, _rounded(max(length - lowest, cap)), lowest
+
+    def _slide(self, seq: SeqBuffers, length: int, keep: int) -> None:
+        buffer, base = seq.window, seq.base
+        if buffer is not None and keep < base:  # the sequence starts again: what it held goes
+            self.bytes_held -= _nbytes(buffer)
+            buffer, base = None, 0
+            seq.window, seq.base = None, 0
+        capacity = 0 if buffer is None else buffer.shape[3]
+        kind, size, lowest = self._window_plan(capacity, base, length, keep)
+        if kind == MOVE:
+            assert buffer is not None
+            buffer[:, :, :, : keep - lowest] = buffer[:, :, :, lowest - base : keep - base].clone()
+        elif kind != KEEP:
+            layers = self._counts[WINDOW]
+            seq.window = self._replaced(buffer, layers, size, lowest - base, keep - base)
         seq.base = lowest
+
+    def _replaced(
+        self, buffer: torch.Tensor | None, layers: int, size: int, start: int, stop: int
+    ) -> torch.Tensor:
+        """A new buffer of ``size`` slots holding ``buffer``'s slots ``start:stop`` at its
+        front; ``buffer`` is no longer held."""
+        fresh = self._new(layers, size)
+        if buffer is not None:
+            if stop > start:
+                fresh[:, :, :, : stop - start] = buffer[:, :, :, start:stop]
+            self.bytes_held -= _nbytes(buffer)
+        return fresh
 
     def _new(self, layers: int, size: int) -> torch.Tensor:
         heads, dim = self._head
@@ -206,7 +209,7 @@ class KVStore:
                 continue
             for buffer in (seq.full, seq.window):
                 if buffer is not None:
-                    self.bytes_held -= buffer.numel() * buffer.element_size()
+                    self.bytes_held -= _nbytes(buffer)
 
     def clear(self) -> None:
         self.free(list(self._seqs))
