@@ -46,29 +46,28 @@ def attend(
     # A layer the store keeps a window of reads that window (the module's own).
     window = step.windows[layer] or sliding_window or getattr(module, "sliding_window", None)
     groups = getattr(module, "num_key_value_groups", 1)
+    alone = len(step.spans) == 1
     outputs = []
-    for index, ((first, end), start, seq) in enumerate(
-        zip(step.spans, step.starts, step.seqs, strict=True)
-    ):
-        count = end - first
-        lowest, mask, causal = _reach(step, index, start, count, window or None, query.device)
-        stop = start + count
-        buffer, base = seq.layer(kind)
-        keys = buffer[slot, 0, :, lowest - base : stop - base].unsqueeze(0)
-        values = buffer[slot, 1, :, lowest - base : stop - base].unsqueeze(0)
-        outputs.append(_one(query[:, :, first:end], keys, values, mask, causal, scaling, groups))
+    for region, first, end, mask, causal in _reads(step, kind, window or None, query.device):
+        both = region[slot]
+        outputs.append(
+            _one(query[:, :, first:end], both[0:1], both[1:2], mask, causal, scaling, groups, alone)
+        )
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _one(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-    causal: bool, scaling: float | None, groups: int,
+    causal: bool, scaling: float | None, groups: int, alone: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """One sequence's attention, ``[1, heads, n, head_dim]``, with the kernel options
-    transformers' ``sdpa_attention_forward`` picks for the same shapes."""
+    """One sequence's attention, ``[1, heads, n, head_dim]``. Alone in its step, with the
+    kernel options transformers' ``sdpa_attention_forward`` picks for the same shapes, so
+    that its output is ``generate``'s; beside others, a decode token's query heads go in as
+    its group's queries (below), which takes half the time of the kernel's own grouping and
+    rounds differently only in the last bits."""
     if groups > 1:
-        if mask is None and keys.shape[-1] <= GQA_HEAD_DIM:
+        if mask is None and keys.shape[-1] <= GQA_HEAD_DIM and (alone or causal):
             return sdpa(query, keys, values, is_causal=causal, scale=scaling, enable_gqa=True)
         if not causal:
             # A group's query heads as that group's queries, one after the other, each row
@@ -85,31 +84,38 @@ def _one(
     return sdpa(query, keys, values, attn_mask=mask, is_causal=causal, scale=scaling)
 
 
-def _reach(
-    step: StepCache, index: int, start: int, count: int, window: int | None,
-    device: torch.device,
-) -> tuple[int, torch.Tensor | None, bool]:  # fmt: skip
-    """The first key position a sequence's queries see, their mask (None: none needed) and
-    whether the kernel's own causal mask is the right one; computed once per step and
-    window, for every layer."""
-    found = step.masks.get((index, window))
+def _reads(
+    step: StepCache, kind: int, window: int | None, device: torch.device
+) -> list[tuple[torch.Tensor, int, int, torch.Tensor | None, bool]]:
+    """For each sequence of the step: the keys and values its queries see in its buffer of
+    this kind, every layer of it (``[layers, 2, kv_heads, n, head_dim]``), its rows of the
+    packed step, their mask (None: none needed) and whether the kernel's own causal mask is
+    the right one; computed once per step, kind and window, for every layer."""
+    found = step.reads.get((kind, window))
     if found is not None:
         return found
-    stop = start + count
-    lowest = 0 if window is None else max(0, start - window + 1)
-    if count == 1:
-        # One query sees every key from ``lowest``: no mask.
-        found = (max(0, stop - window) if window is not None else 0, None, False)
-    elif start == 0 and (window is None or count <= window):
-        found = (0, None, True)  # a first chunk: plain causal attention
-    else:
-        queries = torch.arange(start, stop, device=device).unsqueeze(1)
-        keys = torch.arange(lowest, stop, device=device).unsqueeze(0)
-        mask = keys <= queries
-        if window is not None:
-            mask &= keys > queries - window
-        found = (lowest, mask[None, None], False)
-    step.masks[(index, window)] = found
+    found = []
+    for (first, end), start, seq in zip(step.spans, step.starts, step.seqs, strict=True):
+        count = end - first
+        stop = start + count
+        lowest = 0 if window is None else max(0, start - window + 1)
+        mask = None
+        causal = False
+        if count == 1:
+            # One query sees every key from ``lowest``: no mask.
+            lowest = max(0, stop - window) if window is not None else 0
+        elif start == 0 and (window is None or count <= window):
+            causal = True  # a first chunk: plain causal attention
+        else:
+            queries = torch.arange(start, stop, device=device).unsqueeze(1)
+            keys = torch.arange(lowest, stop, device=device).unsqueeze(0)
+            allowed = keys <= queries
+            if window is not None:
+                allowed &= keys > queries - window
+            mask = allowed[None, None]
+        buffer, base = seq.layer(kind)
+        found.append((buffer[:, :, :, lowest - base : stop - base], first, end, mask, causal))
+    step.reads[(kind, window)] = found
     return found
 
 

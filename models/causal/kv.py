@@ -232,23 +232,37 @@ class StepCache:
         self.seqs = seqs
         self.slots = store.slots
         self.windows = store.windows
-        self.masks: dict[tuple[int, int | None], tuple[int, torch.Tensor | None, bool]] = {}
-        """What each sequence attends to, per window (None: every position): the first key
-        position, the mask, and whether it is causal without one; shared by its layers."""
+        self.reads: dict[tuple[int, int | None], list[Any]] = {}
+        """What each kind of layer's attention reads, per window (None: every position), for
+        every sequence: built by the first such layer of the step, shared by the others
+        (``attention.py``)."""
+        self._writes: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
         kwargs: dict[str, Any] | None = None, **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         kind, slot = self.slots[layer_idx]
-        for (first, end), start, seq in zip(self.spans, self.starts, self.seqs, strict=True):
-            buffer, base = seq.layer(kind)
-            stop = start + end - first
-            buffer[slot, 0, :, start - base : stop - base] = key_states[0, :, first:end]
-            buffer[slot, 1, :, start - base : stop - base] = value_states[0, :, first:end]
+        # Keys and values as one tensor, so each sequence's are written in one copy.
+        both = torch.stack((key_states[0], value_states[0]))
+        for region, first, end in self._regions(kind):
+            region[slot].copy_(both[:, :, first:end])
         if kwargs is not None:
             kwargs["batchfit_step"] = self
         return key_states, value_states
+
+    def _regions(self, kind: int) -> list[tuple[torch.Tensor, int, int]]:
+        """Each sequence's new positions in its buffer of this kind, every layer of it
+        (``[layers, 2, kv_heads, count, head_dim]``), and its rows of the packed step."""
+        found = self._writes.get(kind)
+        if found is None:
+            found = []
+            for (first, end), start, seq in zip(self.spans, self.starts, self.seqs, strict=True):
+                buffer, base = seq.layer(kind)
+                lowest = start - base
+                found.append((buffer[:, :, :, lowest : lowest + end - first], first, end))
+            self._writes[kind] = found
+        return found
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0

@@ -12,6 +12,7 @@ from ..chat import PromptTokenizer
 from ..errors import translate_error
 from ..generative import GenerationDefaults, SamplingParams, StepRequest, StepResult
 from .attention import IMPLEMENTATION
+from .head import head_rows, padded_rows, padding_threshold
 from .kv import KVStore, SeqBuffers, StepCache
 from .sampling import Sampler
 
@@ -57,6 +58,8 @@ class CausalLM:
         element = info.shape.element_bytes
         capped = 2 if getattr(config, "final_logit_softcapping", None) else 1
         self._row_bytes = self._vocab_size * (element * capped + (4 if element != 4 else 0))
+        head = module.get_output_embeddings() if self._keeps_logits else None
+        self._pad_from = padding_threshold(head, device)
 
     def preparer(self) -> PromptTokenizer:
         return self._prompts
@@ -69,19 +72,22 @@ class CausalLM:
 
     def step_bytes(self, num_tokens: int, attended: int, num_sampled: int) -> int:
         """Activations of one step: the widest per-token tensors (hidden states, the
-        feed-forward's intermediate ones, queries, keys and values) for every token, every
-        head's scores for every query-key pair, the logits of the rows that sample, and the
+        feed-forward's intermediate ones, queries, keys and values, and the keys and values
+        stacked to be written) for every token, every head's scores for every query-key pair,
+        the logits of the rows the LM head computes (those that sample, padded), and the
         working rows of the one row the sampler is on (a softmax, a sort's values and
         indices: three rows of float32)."""
         shape = self.info.shape
         element = shape.element_bytes
+        heads = shape.num_heads + (shape.num_kv_heads or shape.num_heads)
         per_token = element * (
             4 * shape.hidden_size
             + (3 if shape.gated_mlp else 2) * shape.intermediate_size
-            + 2 * shape.num_heads * (shape.head_dim or 0)
+            + 2 * heads * (shape.head_dim or 0)
         )
         scores = 4 * shape.num_heads * attended
-        logits = self._row_bytes * num_sampled + (3 * 4 * self._vocab_size if num_sampled else 0)
+        head = head_rows(num_sampled, self._pad_from)
+        logits = self._row_bytes * head + (3 * 4 * self._vocab_size if num_sampled else 0)
         return num_tokens * per_token + scores + logits
 
     def step(self, request: StepRequest) -> StepResult:
@@ -128,13 +134,14 @@ class CausalLM:
         cache = StepCache(spans, starts, seqs, self.store)
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
-        keep = torch.tensor(rows, dtype=torch.long, device=device)
         if self._keeps_logits:
+            keep = torch.tensor(padded_rows(rows, self._pad_from), dtype=torch.long, device=device)
             logits = self._module(
                 input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
                 logits_to_keep=keep,
-            ).logits[0]  # fmt: skip
+            ).logits[0, : len(rows)]  # fmt: skip
         else:
+            keep = torch.tensor(rows, dtype=torch.long, device=device)
             logits = self._module(
                 input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True
             ).logits[0, keep]

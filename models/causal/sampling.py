@@ -16,6 +16,10 @@ import torch
 from ..generative import SampledToken, SamplingParams
 
 NUCLEUS_GUESS = 1024
+ARGMAX_BLOCK = 4096
+"""Greedy rows are searched a block of this many words at a time: torch's ``argmax`` along a
+row runs on one element at a time (3.9 ms for 16 rows of Gemma's vocabulary here), while
+the maximum of each block is a vectorised reduction (0.3 ms)."""
 
 
 class Sampler:
@@ -38,10 +42,7 @@ class Sampler:
         chosen: list[int] = [0] * len(seq_ids)
         greedy = [row for row, p in enumerate(params) if p.greedy]
         if greedy:
-            if len(greedy) == len(params):
-                picked = logits.argmax(dim=-1).tolist()
-            else:
-                picked = logits[greedy].argmax(dim=-1).tolist()
+            picked = first_argmax(logits if len(greedy) == len(params) else logits[greedy])
             for row, token in zip(greedy, picked, strict=True):
                 chosen[row] = token
         for row, p in enumerate(params):
@@ -90,3 +91,26 @@ class Sampler:
             indices = indices[:keep] if indices is not None else None
         pick = int(torch.multinomial(probs, 1, generator=generator))
         return int(indices[pick]) if indices is not None else pick
+
+
+def first_argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's first index of its largest value, as ``argmax`` gives it (``[rows,
+    vocab]``): the maximum of every block of ``ARGMAX_BLOCK`` words, the first block that
+    holds the row's maximum, then ``argmax`` inside that block. Comparisons only, so the
+    index is ``argmax``'s exactly."""
+    rows, width = logits.shape
+    if width < 4 * ARGMAX_BLOCK or logits.stride(-1) != 1:
+        return logits.argmax(dim=-1).tolist()
+    whole = width // ARGMAX_BLOCK
+    blocks = logits.as_strided((rows, whole, ARGMAX_BLOCK), (logits.stride(0), ARGMAX_BLOCK, 1))
+    maxima = blocks.amax(dim=-1)
+    if width > whole * ARGMAX_BLOCK:  # the words past the last whole block, as one more
+        maxima = torch.cat([maxima, logits[:, whole * ARGMAX_BLOCK :].amax(-1, keepdim=True)], 1)
+    if bool(maxima.isnan().any()):
+        return logits.argmax(dim=-1).tolist()  # NaN is argmax's maximum, not amax's
+    holding = (maxima == maxima.amax(dim=-1, keepdim=True)).to(torch.uint8).argmax(dim=-1)
+    picked = []
+    for row, block in enumerate(holding.tolist()):
+        first = block * ARGMAX_BLOCK
+        picked.append(first + int(logits[row, first : first + ARGMAX_BLOCK].argmax()))
+    return picked
