@@ -235,7 +235,7 @@ class GenerationEngine:
         reading = self._probe.read() if self._probe is not None else None
         budget = self.pacing.budget(
             self.running, reading, self.cache_bytes, now, slack_bytes=self.cache_slack_bytes,
-            growth_bytes=self.cache_growth_bytes,
+            growth_bytes=self.cache_growth_bytes, waiting=len(self.waiting),
         )  # fmt: skip
         if budget.cache_bytes is not None:
             self.metrics.cache_budget_bytes.set(budget.cache_bytes)

@@ -26,6 +26,19 @@ GROWTH_SHARE_DOWN = 0.001
 """... and taken off it by each step that does not."""
 
 
+def _nothing(step_s: float | None) -> float:
+    return 0.0
+
+
+def _factor(factor: float, decoding: int, waiting: int) -> float:
+    """The step time factor where ``waiting`` sequences wait for their first token beside
+    ``decoding`` ones: the room for prompt tokens, ``factor - 1`` a step, grows by the
+    waiting sequences per decoding one. A lone stream keeps its pace while one prompt joins
+    it; a burst of new requests is not fed to a few streams a sliver at a time (15 prompts
+    of 250 tokens took 9 s beside one stream at 1.8)."""
+    return 1.0 + (factor - 1.0) * max(1.0, waiting / max(1, decoding))
+
+
 class StepPacing:
     def __init__(self, config: EngineConfig, model: Generator) -> None:
         self.config = config
@@ -45,33 +58,39 @@ class StepPacing:
 
     def budget(
         self, running: Seq[Sequence], reading: MemoryReading | None, cache_bytes: int,
-        now: float, slack_bytes: int = 0, growth_bytes: int = 0,
+        now: float, slack_bytes: int = 0, growth_bytes: int = 0, waiting: int = 0,
     ) -> StepBudget:  # fmt: skip
         """The next step's budget: with sequences decoding, prompt tokens beside them within
         ``prefill_time_factor`` of their own step (the first of them deeper into a prompt
-        costing more); without, up to ``max_step_tokens``. ``cache_bytes``: what the store
-        holds now; ``slack_bytes``: of that, what lies past its sequences' positions;
-        ``growth_bytes``: what the next step takes besides to grow its buffers."""
+        costing more; more where more sequences wait for their first token than decode, as
+        memory allows: ``_factor``); without, up to ``max_step_tokens``. ``cache_bytes``:
+        what the store holds now; ``slack_bytes``: of that, what lies past its sequences'
+        positions; ``growth_bytes``: what the next step takes besides to grow its buffers;
+        ``waiting``: the sequences not yet running."""
         config = self.config
         decoding = [s for s in running if s.num_pending <= 1]
-        step_s = None
+        ceiling = self.ceiling
+        step_tokens = min(config.max_step_tokens, ceiling.max_tokens or config.max_step_tokens)
+        # (prefill tokens, the step's predicted time) at the configured factor, and at the
+        # factor that the sequences waiting for their first token allow.
+        paces: list[tuple[int, float | None]] = []
         if decoding:
             # The next prompt chunk starts where the first still prefilling stopped (a new
             # prompt: at 0); how deep it is sets what its attention costs.
             prefilling = [s for s in running if s.num_pending > 1]
             depth = prefilling[0].num_cached if prefilling else 0
             alone = self.pacer.alone(len(decoding), sum(s.num_cached + 1 for s in decoding))
-            tokens = self.pacer.tokens(alone, config.prefill_time_factor, depth=depth)
-            prefill = config.default_prefill_tokens if tokens is None else max(tokens, 1)
-            if alone is not None:
-                step_s = alone * max(1.0, config.prefill_time_factor)
+            base = max(1.0, config.prefill_time_factor)
+            for factor in dict.fromkeys(
+                (base, _factor(base, len(decoding), waiting + len(prefilling)))
+            ):
+                tokens = self.pacer.tokens(alone, factor, depth=depth)
+                prefill = config.default_prefill_tokens if tokens is None else max(tokens, 1)
+                paces.append((min(prefill, step_tokens), None if alone is None else alone * factor))
         else:
-            prefill = config.max_step_tokens
-        ceiling = self.ceiling
-        step_tokens = min(config.max_step_tokens, ceiling.max_tokens or config.max_step_tokens)
-        prefill = min(prefill, step_tokens)
-        if not decoding:
-            step_s = self.time_model.predict(prefill, attended(0, prefill), 1)
+            prefill = step_tokens
+            paces.append((prefill, self.time_model.predict(prefill, attended(0, prefill), 1)))
+        prefill = paces[-1][0]
         limit = None
         if reading is not None and reading.free_bytes is not None:
             # The activations of the step this budget allows: its tokens, and a row of logits
@@ -81,11 +100,19 @@ class StepPacing:
             # The headroom is a share of all the cache could hold (what it holds and what is
             # free), not of what is free now: memory others take between two steps (a process
             # beside this one under the same cgroup) finds it still there when free runs low.
-            tokens = min(step_tokens, len(decoding) + prefill)
-            reserve = self._model.step_bytes(tokens, 0, len(running)) + growth_bytes
             could = cache_bytes + reading.free_bytes
-            taking = self._others_taking(reading, now, step_s)
-            limit = max(0.0, could * (1 - config.headroom_fraction) - reserve - taking)
+            taking = self._others_taking(reading, now)
+            limits = []
+            for chunk, step_s in paces:
+                tokens = min(step_tokens, len(decoding) + chunk)
+                reserve = self._model.step_bytes(tokens, 0, len(running)) + growth_bytes
+                kept = could * (1 - config.headroom_fraction) - reserve - taking(step_s)
+                limits.append(max(0.0, kept))
+            limit = limits[-1]
+            if len(paces) > 1 and limits[1] - cache_bytes < limits[0] - limits[1]:
+                # The wider chunk's step would take more than the room it leaves the cache:
+                # under pressure, prompts go on in the narrower chunks.
+                prefill, limit = paces[0][0], limits[0]
         return StepBudget(
             max_running=min(config.max_running, ceiling.max_sequences or config.max_running),
             max_step_tokens=step_tokens,
@@ -101,8 +128,9 @@ class StepPacing:
             priority_aging_s=config.priority_aging_s,
         )
 
-    def _others_taking(self, reading: MemoryReading, now: float, step_s: float | None) -> float:
-        """What others are likely to take while the next step runs: what they took since the
+    def _others_taking(self, reading: MemoryReading, now: float) -> Callable[[float | None], float]:
+        """What others are likely to take while the next step runs, for the step's predicted
+        seconds: what they took since the
         last reading (free memory's fall less this process's own growth: a cache that grew,
         a heap that kept a step's activations), at that rate for as long as the next step
         takes (``step_s``, the time model's, within one and ``prefill_time_factor`` times
@@ -114,14 +142,16 @@ class StepPacing:
             reading.used_bytes or 0)  # fmt: skip
         last, self._last_read = self._last_read, (now, free, ours)
         if last is None:
-            return 0.0
+            return _nothing
         then, free_then, ours_then = last
         interval = now - then
         taken = (free_then - free) - (ours - ours_then)
         if interval <= 0 or taken <= 0:
-            return 0.0
+            return _nothing
         factor = max(1.0, self.config.prefill_time_factor)
-        return taken / interval * max(interval, min(step_s or interval, factor * interval))
+        return lambda step_s: (
+            taken / interval * max(interval, min(step_s or interval, factor * interval))
+        )
 
     def idle(self) -> None:
         """Nothing runs or waits: the reading taken last is no base for a rate over the wait."""

@@ -185,3 +185,29 @@ def test_what_others_take_is_carried_over_the_next_step_but_no_further_than_the_
 
     steady = limit(0.0, free)
     assert limit(1.0, free - taken) == pytest.approx(steady - taken * 0.5 - 2 * taken)
+
+
+def test_prompts_waiting_beside_few_streams_get_wider_chunks_as_memory_allows():
+    """One stream decoding and one prompt joining: chunks within the factor. Fifteen
+    prompts waiting beside it: the room for prompt tokens grows fifteenfold (a burst is not
+    fed a sliver at a time), unless the wider chunk's activations would take more than the
+    room it leaves the cache."""
+    config = EngineConfig(max_step_tokens=2048, prefill_time_factor=1.8, headroom_fraction=0.5)
+    pacing = StepPacing(config, Activations())
+    pacing.pacer.observe_alone(1, 0.050)
+    pacing.pacer.observe(elapsed_s=0.060, alone_s=0.050, prefill_tokens=10)  # 1 ms a token
+    running = [seq(0, 10, cached=10, output=1)]
+
+    def chunk(waiting: int, free: int | None = None) -> tuple[int, float | None]:
+        reading = None if free is None else MemoryReading(free_bytes=free)
+        budget = pacing.budget(running, reading, 5000, now=0.0, waiting=waiting)
+        return budget.max_prefill_tokens, budget.cache_bytes
+
+    assert chunk(1)[0] == 40  # 0.8 of a 50 ms step, 1 ms a token
+    assert chunk(0)[0] == 40
+    assert chunk(15)[0] == 600  # 0.8 * 15 of it
+    assert chunk(100)[0] == 2048  # within max_step_tokens
+    wide, limit = chunk(15, free=10_000_000)
+    assert wide == 600 and limit == (5000 + 10_000_000) * 0.5 - (1000 * 601 + 10)
+    narrow, limit = chunk(15, free=1_000_000)  # the wide step would take 560 kB of 500 kB
+    assert narrow == 40 and limit == (5000 + 1_000_000) * 0.5 - (1000 * 41 + 10)
