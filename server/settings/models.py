@@ -90,7 +90,9 @@ class ModelSettings(BaseModel):
         gt=1,
         description="Generation: while sequences decode, prompts are prefilled in chunks that "
         "keep a step's predicted time within this many times a step without them, so that "
-        "running streams wait at most one chunk for a new prompt.",
+        "running streams wait at most one chunk for a new prompt. Where more sequences wait "
+        "for their first token than decode, the room for prompt tokens grows by the waiting "
+        "sequences per decoding one, as memory allows.",
     )
 
     @field_validator("model", "task", "default_prompt_name", mode="before")
