@@ -24,6 +24,9 @@ GROWTH_SHARE_UP = 0.1
 """Added to the growth share by each step that preempts for memory ..."""
 GROWTH_SHARE_DOWN = 0.001
 """... and taken off it by each step that does not."""
+WIDE_SHARE = 0.05
+"""Wider prompt chunks (sequences waiting beside few decoding ones) only where what they take
+besides is at most this share of the free memory."""
 
 
 def _nothing(step_s: float | None) -> float:
@@ -109,9 +112,13 @@ class StepPacing:
                 kept = could * (1 - config.headroom_fraction) - reserve - taking(step_s)
                 limits.append(max(0.0, kept))
             limit = limits[-1]
-            if len(paces) > 1 and limits[1] - cache_bytes < limits[0] - limits[1]:
-                # The wider chunk's step would take more than the room it leaves the cache:
-                # under pressure, prompts go on in the narrower chunks.
+            if len(paces) > 1 and not (
+                limits[0] - limits[1] <= WIDE_SHARE * reading.free_bytes and taking is _nothing
+            ):
+                # Memory is not ample (under a cgroup's limit a wider step's activations,
+                # which the allocator may keep, crowd the cache and what runs beside it), or
+                # others are taking memory (a rate read over a short interval, which a
+                # longer step would carry too far): prompts go on in narrower chunks.
                 prefill, limit = paces[0][0], limits[0]
         return StepBudget(
             max_running=min(config.max_running, ceiling.max_sequences or config.max_running),

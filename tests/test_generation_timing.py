@@ -190,8 +190,8 @@ def test_what_others_take_is_carried_over_the_next_step_but_no_further_than_the_
 def test_prompts_waiting_beside_few_streams_get_wider_chunks_as_memory_allows():
     """One stream decoding and one prompt joining: chunks within the factor. Fifteen
     prompts waiting beside it: the room for prompt tokens grows fifteenfold (a burst is not
-    fed a sliver at a time), unless the wider chunk's activations would take more than the
-    room it leaves the cache."""
+    fed a sliver at a time), where what the wider chunk takes besides is a small share of
+    the free memory."""
     config = EngineConfig(max_step_tokens=2048, prefill_time_factor=1.8, headroom_fraction=0.5)
     pacing = StepPacing(config, Activations())
     pacing.pacer.observe_alone(1, 0.050)
@@ -207,7 +207,24 @@ def test_prompts_waiting_beside_few_streams_get_wider_chunks_as_memory_allows():
     assert chunk(0)[0] == 40
     assert chunk(15)[0] == 600  # 0.8 * 15 of it
     assert chunk(100)[0] == 2048  # within max_step_tokens
-    wide, limit = chunk(15, free=10_000_000)
-    assert wide == 600 and limit == (5000 + 10_000_000) * 0.5 - (1000 * 601 + 10)
-    narrow, limit = chunk(15, free=1_000_000)  # the wide step would take 560 kB of 500 kB
-    assert narrow == 40 and limit == (5000 + 1_000_000) * 0.5 - (1000 * 41 + 10)
+    wide, limit = chunk(15, free=20_000_000)  # 560 kB more: within 5% of what is free
+    assert wide == 600 and limit == (5000 + 20_000_000) * 0.5 - (1000 * 601 + 10)
+    narrow, limit = chunk(15, free=10_000_000)  # past 5% of it
+    assert narrow == 40 and limit == (5000 + 10_000_000) * 0.5 - (1000 * 41 + 10)
+
+
+def test_while_others_take_memory_prompts_stay_in_the_narrower_chunks():
+    config = EngineConfig(max_step_tokens=2048, prefill_time_factor=1.8, headroom_fraction=0.5)
+    pacing = StepPacing(config, Activations())
+    pacing.pacer.observe_alone(1, 0.050)
+    pacing.pacer.observe(elapsed_s=0.060, alone_s=0.050, prefill_tokens=10)
+    running = [seq(0, 10, cached=10, output=1)]
+    free = 1_000_000_000
+
+    def chunk(free: int, now: float) -> int:
+        reading = MemoryReading(free_bytes=free, used_bytes=1000)
+        return pacing.budget(running, reading, 5000, now=now, waiting=15).max_prefill_tokens
+
+    assert chunk(free, 0.0) == 600
+    assert chunk(free - 1_000_000, 0.1) == 40  # another process took 1 MB in 100 ms
+    assert chunk(free - 1_000_000, 0.2) == 600  # and stopped
