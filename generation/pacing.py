@@ -26,7 +26,8 @@ GROWTH_SHARE_DOWN = 0.001
 """... and taken off it by each step that does not."""
 WIDE_SHARE = 0.05
 """Wider prompt chunks (sequences waiting beside few decoding ones) only where what they take
-besides is at most this share of the free memory."""
+besides, with what other processes would take meanwhile, is at most this share of the free
+memory."""
 
 
 def _nothing(step_s: float | None) -> float:
@@ -112,13 +113,13 @@ class StepPacing:
                 kept = could * (1 - config.headroom_fraction) - reserve - taking(step_s)
                 limits.append(max(0.0, kept))
             limit = limits[-1]
-            if len(paces) > 1 and not (
-                limits[0] - limits[1] <= WIDE_SHARE * reading.free_bytes and taking is _nothing
+            if len(paces) > 1 and (
+                limits[0] - limits[1] + taking(paces[1][1]) > WIDE_SHARE * reading.free_bytes
             ):
-                # Memory is not ample (under a cgroup's limit a wider step's activations,
-                # which the allocator may keep, crowd the cache and what runs beside it), or
-                # others are taking memory (a rate read over a short interval, which a
-                # longer step would carry too far): prompts go on in narrower chunks.
+                # Memory is not ample: what the wider step takes besides, and what others
+                # would take while it runs, pass a small share of what is free (under a
+                # cgroup's limit, a wider step's activations, which the allocator may keep,
+                # crowd the cache and what runs beside it): prompts go on in narrower chunks.
                 prefill, limit = paces[0][0], limits[0]
         return StepBudget(
             max_running=min(config.max_running, ceiling.max_sequences or config.max_running),

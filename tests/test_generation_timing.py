@@ -226,5 +226,6 @@ def test_while_others_take_memory_prompts_stay_in_the_narrower_chunks():
         return pacing.budget(running, reading, 5000, now=now, waiting=15).max_prefill_tokens
 
     assert chunk(free, 0.0) == 600
-    assert chunk(free - 1_000_000, 0.1) == 40  # another process took 1 MB in 100 ms
-    assert chunk(free - 1_000_000, 0.2) == 600  # and stopped
+    assert chunk(free - 1_000_000, 0.1) == 600  # another process took 1 MB in 100 ms
+    assert chunk(free - 101_000_000, 0.2) == 40  # then 100 MB: 180 MB over a step
+    assert chunk(free - 101_000_000, 0.3) == 600  # and stopped
