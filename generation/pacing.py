@@ -137,14 +137,14 @@ class StepPacing:
         )
 
     def _others_taking(self, reading: MemoryReading, now: float) -> Callable[[float | None], float]:
-        """What others are likely to take while the next step runs, for the step's predicted
-        seconds: what they took since the
-        last reading (free memory's fall less this process's own growth: a cache that grew,
-        a heap that kept a step's activations), at that rate for as long as the next step
-        takes (``step_s``, the time model's, within one and ``prefill_time_factor`` times
-        the interval it was read over: a rate read over a short interval is too noisy to
-        carry far). Only the latest interval counts: once others stop taking, the next
-        budget keeps nothing back for them."""
+        """What others are likely to take while the next step runs, as a function of its
+        predicted seconds: what they took since the last reading (free memory's fall less
+        this process's own growth: a cache that grew, a heap that kept a step's
+        activations), at that rate for as long as the next step takes (``step_s``, the time
+        model's, within one and ``prefill_time_factor`` times the interval it was read over:
+        a rate read over a short interval is too noisy to carry far). Only the latest
+        interval counts: once others stop taking, the next budget keeps nothing back for
+        them."""
         free = reading.free_bytes or 0
         ours = reading.allocated_bytes if reading.allocated_bytes is not None else (
             reading.used_bytes or 0)  # fmt: skip
