@@ -6,8 +6,9 @@ replica's ``batching.ModelThread``.
 """
 
 from .config import EngineConfig
-from .engine import GenerationEngine, SequenceCancelled
+from .engine import GenerationEngine
 from .metrics import GenerationMetrics, ModelGenerationMetrics
+from .roster import SequenceCancelled
 from .scheduler import StepBudget, StepPlan, schedule
 from .sequence import SeqState, Sequence, SequenceSpec
 from .stops import StopText

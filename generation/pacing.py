@@ -59,10 +59,13 @@ class StepPacing:
         every step that does not, towards the share at which preemption is rare."""
         self._last_read: tuple[float, int, int] | None = None
         """When memory was last read: the time, what was free, what this process used."""
+        self._taking: Callable[[float | None], float] = _nothing
+        """What others take while a step runs, from the latest reading (``_others_taking``)."""
 
     def budget(
         self, running: Seq[Sequence], reading: MemoryReading | None, cache_bytes: int,
         now: float, slack_bytes: int = 0, growth_bytes: int = 0, waiting: int = 0,
+        again: bool = False,
     ) -> StepBudget:  # fmt: skip
         """The next step's budget: with sequences decoding, prompt tokens beside them within
         ``prefill_time_factor`` of their own step (the first of them deeper into a prompt
@@ -70,7 +73,9 @@ class StepPacing:
         memory allows: ``_factor``); without, up to ``max_step_tokens``. ``cache_bytes``:
         what the store holds now; ``slack_bytes``: of that, what lies past its sequences'
         positions; ``growth_bytes``: what the next step takes besides to grow its buffers;
-        ``waiting``: the sequences not yet running."""
+        ``waiting``: the sequences not yet running; ``again``: ``reading`` was taken again,
+        at once, after this process handed memory back (what others take keeps the rate
+        read before it)."""
         config = self.config
         decoding = [s for s in running if s.num_pending <= 1]
         ceiling = self.ceiling
@@ -105,7 +110,8 @@ class StepPacing:
             # free), not of what is free now: memory others take between two steps (a process
             # beside this one under the same cgroup) finds it still there when free runs low.
             could = cache_bytes + reading.free_bytes
-            taking = self._others_taking(reading, now)
+            taking = self._taking if again else self._others_taking(reading, now)
+            self._taking = taking
             limits = []
             for chunk, step_s in paces:
                 tokens = min(step_tokens, len(decoding) + chunk)

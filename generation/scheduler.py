@@ -54,6 +54,8 @@ class StepPlan:
     prefill: tuple[tuple[Sequence, int], ...] = ()
     """Sequences and how many of their pending tokens this step feeds."""
     preempt: tuple[Sequence, ...] = ()
+    short_of_memory: bool = False
+    """It preempts, or a waiting sequence stays out, for want of memory."""
 
     @property
     def num_tokens(self) -> int:
@@ -104,18 +106,20 @@ def schedule(running: Seq[Sequence], waiting: Seq[Sequence], budget: StepBudget)
             prefill_left -= count
     used = sum(_bytes(s.num_cached + s.num_pending + _growth(s, budget), budget) for s in running)
     slots = budget.max_running - len(running)
+    short = bool(preempt)
     for seq in sorted(waiting, key=order):
         if slots <= 0 or prefill_left <= 0:
             break
         need = _bytes(seq.num_pending + _growth(seq, budget), budget) + budget.bytes_per_row
         if limit is not None and used + need > limit and (running or prefill):
+            short = True
             break
         count = min(seq.num_pending, prefill_left)
         prefill.append((seq, count))
         prefill_left -= count
         used += need
         slots -= 1
-    return StepPlan(decode, tuple(prefill), tuple(preempt))
+    return StepPlan(decode, tuple(prefill), tuple(preempt), short)
 
 
 def _held(running: Seq[Sequence], budget: StepBudget) -> float:

@@ -53,6 +53,10 @@ class SeqChunk:
     token_ids: Sequence[int]
     start: int
     sampling: SamplingParams | None = None
+    prefill_to: int = 0
+    """The positions the sequence has once every token it is prefilling is fed (a prompt in
+    chunks; a resumed sequence's prompt and outputs): its cache is sized for them at its
+    first chunk instead of growing chunk by chunk (0: this chunk's end)."""
 
 
 @dataclass(frozen=True, slots=True)

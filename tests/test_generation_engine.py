@@ -239,9 +239,12 @@ class ScriptedProbe:
 async def test_a_shrinking_budget_preempts_the_newest_and_they_resume_without_a_repeat(
     thread, monkeypatch
 ):
-    released = []
-    monkeypatch.setattr(engine_module, "release_host_memory", lambda: released.append(1))
+    released: list[int] = []
     model = ScriptedGenerator()
+    # A trim that releases nothing: the budget is not read again.
+    monkeypatch.setattr(engine_module, "release_host_memory",
+                        lambda: released.append(len(model.steps)))  # fmt: skip
+    monkeypatch.setattr(engine_module, "RECLAIM_INTERVAL_S", 1e9)
     engine = GenerationEngine(
         name="m", model=model, model_thread=thread, clock=MonotonicClock(),
         metrics=GenerationMetrics(CollectorRegistry(), max_step_tokens=2048).for_model("m"),
@@ -267,9 +270,57 @@ async def test_a_shrinking_budget_preempts_the_newest_and_they_resume_without_a_
         assert starts.count(0) == 2, starts
     assert engine.metrics.preemptions["memory"]._value.get() == 3
     assert engine.metrics.resumed._value.get() == 3
-    # The step that preempted the three freed their cache, then handed the C allocator's
-    # free memory back to the kernel, before its own forward pass.
-    assert released == [1]
+    # Before the three were preempted, the C allocator's free memory went back to the
+    # kernel (it released none here); the step that preempted them freed their cache, then
+    # did so again before its own forward pass.
+    assert released == [6, 6]
+
+
+class TrimmedProbe:
+    """None free between ``tight``'s steps, held by this process's allocator (its resident
+    memory up by as much), unless it was trimmed as the step was planned: then plenty, as
+    outside them."""
+
+    name = "scripted"
+
+    def __init__(self, model: ScriptedGenerator, tight: range) -> None:
+        self.model = model
+        self.tight = tight
+        self.trimmed_at: list[int] = []
+
+    def trim(self) -> int:
+        self.trimmed_at.append(len(self.model.steps))
+        return 64 << 20
+
+    def read(self) -> MemoryReading:
+        steps = len(self.model.steps)
+        short = steps in self.tight and steps not in self.trimmed_at
+        held = 1 << 30 if short else 0
+        return MemoryReading(free_bytes=(1 << 30) - held, used_bytes=(1 << 28) + held)
+
+
+async def test_what_the_allocator_holds_free_goes_back_before_a_sequence_is_preempted(
+    thread, monkeypatch
+):
+    model = ScriptedGenerator()
+    probe = TrimmedProbe(model, tight=range(6, 16))
+    monkeypatch.setattr(engine_module, "release_host_memory", probe.trim)
+    engine = GenerationEngine(
+        name="m", model=model, model_thread=thread, clock=MonotonicClock(),
+        metrics=GenerationMetrics(CollectorRegistry(), max_step_tokens=2048).for_model("m"),
+        config=EngineConfig(), probe=probe,
+    )  # fmt: skip
+    task = asyncio.create_task(engine.run())
+    streams = [engine.submit([spec(5, 30)], timeout_s=10) for _ in range(4)]
+    results = [await read_all(stream) for stream, _ in streams]
+    await stop(engine, task)
+    # Every tight step was planned again after a trim, and found the room it released.
+    assert probe.trimmed_at == list(range(6, 16))
+    assert engine.metrics.preemptions["memory"]._value.get() == 0
+    for (_, (seq,)), events in zip(streams, results, strict=True):
+        assert seq.num_preemptions == 0
+        assert seq.output_ids == [10 + 5 + k for k in range(30)]
+        assert "".join(e.text for e in events) == "".join(f"<{t}>" for t in seq.output_ids)
 
 
 class FallingProbe:

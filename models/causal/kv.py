@@ -42,6 +42,18 @@ def _grown_size(capacity: int, length: int) -> int:
     return _rounded(max(length, int(capacity * GROWTH)))
 
 
+def _to_front(buffer: torch.Tensor, start: int, stop: int) -> None:
+    """Slots ``start:stop`` of ``buffer`` to its front, in place: in copies of at most
+    ``start`` slots, none of which overlaps its source or a source still to be read (a
+    clone of the live slots would take as much again, a window's worth, for the copy)."""
+    count = stop - start
+    if start <= 0:
+        return  # already there
+    for first in range(0, count, start):
+        last = min(first + start, count)
+        buffer[:, :, :, first:last].copy_(buffer[:, :, :, start + first : start + last])
+
+
 def _nbytes(buffer: torch.Tensor) -> int:
     return buffer.numel() * buffer.element_size()
 
@@ -106,19 +118,21 @@ class KVStore:
     def __len__(self) -> int:
         return len(self._seqs)
 
-    def reserve(self, seq_id: int, length: int, *, keep: int) -> SeqBuffers:
+    def reserve(self, seq_id: int, length: int, *, keep: int, expect: int = 0) -> SeqBuffers:
         """The buffers of ``seq_id`` with room for positions up to ``length``, the first
-        ``keep`` kept (what queries from ``keep`` on still see, in the sliding-window ones)."""
+        ``keep`` kept (what queries from ``keep`` on still see, in the sliding-window ones).
+        A buffer that must grow grows to hold ``expect`` positions at once, where more (the
+        rest of a prompt fed in chunks): one allocation and no copy per chunk."""
         seq = self._seqs.get(seq_id)
         if seq is None:
             seq = self._seqs[seq_id] = SeqBuffers()
         if self._counts[FULL]:
             capacity = 0 if seq.full is None else seq.full.shape[3]
             if length > capacity:
-                size = _grown_size(capacity, length)
+                size = _grown_size(capacity, max(length, expect))
                 seq.full = self._replaced(seq.full, self._counts[FULL], size, 0, keep)
         if self._counts[WINDOW]:
-            self._slide(seq, length, keep)
+            self._slide(seq, length, keep, expect)
         seq.length = length
         return seq
 
@@ -141,20 +155,19 @@ class KVStore:
                 copied = max(copied, _nbytes(seq.full))
             if seq.window is not None:
                 capacity = seq.window.shape[3]
-                kind, size, base = self._window_plan(capacity, seq.base, length, seq.length)
+                kind, size, _ = self._window_plan(capacity, seq.base, length, seq.length)
                 grown += max(0, size - capacity) * self._counts[WINDOW] * self._layer_bytes
-                if kind == MOVE:  # a copy of the live positions only
-                    copied = max(copied, _nbytes(seq.window) * (seq.length - base) // capacity)
-                elif kind != KEEP:
+                if kind in (GROW, FRESH):  # a move copies in place
                     copied = max(copied, _nbytes(seq.window))
         return grown + copied
 
     def _window_plan(
-        self, capacity: int, base: int, length: int, keep: int
+        self, capacity: int, base: int, length: int, keep: int, expect: int = 0
     ) -> tuple[int, int, int]:
         """What a window buffer of ``capacity`` slots from position ``base`` becomes to hold
-        positions up to ``length``, its first ``keep`` kept: how (``KEEP``, ``GROW``,
-        ``MOVE`` or ``FRESH``), its capacity then, and the position its first slot holds."""
+        positions up to ``length`` (growing, up to ``expect``), its first ``keep`` kept: how
+        (``KEEP``, ``GROW``, ``MOVE`` or ``FRESH``), its capacity then, and the position its
+        first slot holds."""
         cap = self.window_tokens
         lowest = max(base, keep - self._window + 1)  # queries from ``keep`` on see no further
         # Past a long chunk, back to the cap as soon as what is live fits it.
@@ -162,24 +175,25 @@ class KVStore:
         if length - base <= capacity and not shrink:
             return KEEP, capacity, base
         if not capacity or lowest == base:  # nothing to drop yet: grow, up to the cap
-            wanted = min(max(length - base, int(capacity * GROWTH)), max(length - base, cap))
+            reach = max(length, expect) - base
+            wanted = min(max(reach, int(capacity * GROWTH)), max(length - base, cap))
             return GROW, _rounded(wanted), base
         if length - lowest <= capacity and capacity <= max(cap, _rounded(length - lowest)):
             return MOVE, capacity, lowest  # the live positions to the front, in place
         # Too small for a long chunk, or larger than the cap after one: a new one.
         return FRESH, _rounded(max(length - lowest, cap)), lowest
 
-    def _slide(self, seq: SeqBuffers, length: int, keep: int) -> None:
+    def _slide(self, seq: SeqBuffers, length: int, keep: int, expect: int) -> None:
         buffer, base = seq.window, seq.base
         if buffer is not None and keep < base:  # the sequence starts again: what it held goes
             self.bytes_held -= _nbytes(buffer)
             buffer, base = None, 0
             seq.window, seq.base = None, 0
         capacity = 0 if buffer is None else buffer.shape[3]
-        kind, size, lowest = self._window_plan(capacity, base, length, keep)
+        kind, size, lowest = self._window_plan(capacity, base, length, keep, expect)
         if kind == MOVE:
             assert buffer is not None
-            buffer[:, :, :, : keep - lowest] = buffer[:, :, :, lowest - base : keep - base].clone()
+            _to_front(buffer, lowest - base, keep - base)
         elif kind != KEEP:
             layers = self._counts[WINDOW]
             seq.window = self._replaced(buffer, layers, size, lowest - base, keep - base)

@@ -125,7 +125,8 @@ class CausalLM:
             positions.extend(range(chunk.start, chunk.start + count))
             spans.append((first, first + count))
             starts.append(chunk.start)
-            seqs.append(self.store.reserve(chunk.seq_id, chunk.start + count, keep=chunk.start))
+            seqs.append(self.store.reserve(chunk.seq_id, chunk.start + count, keep=chunk.start,
+                                           expect=chunk.prefill_to))  # fmt: skip
             if chunk.sampling is not None:
                 rows.append(first + count - 1)
                 seq_ids.append(chunk.seq_id)
