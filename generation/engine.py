@@ -173,9 +173,9 @@ class GenerationEngine(Roster):
         whether that released any (then the budget is read again). Buffers freed as sequences
         grow or end, and a step's activations, leave holes in its heap that count as used
         until trimmed: a trim released 19 MiB on average, of a 150 MiB room, in the memory
-        benchmark's cgroup. Before preempting, always; while waiting sequences stay out, at most once
-        every ``RECLAIM_INTERVAL_S`` (a trim took 1 to 3 ms there, and the pages it hands
-        back fault in again as the next steps reuse them)."""
+        benchmark's cgroup. Before preempting, always; while waiting sequences stay out, at
+        most once every ``RECLAIM_INTERVAL_S`` (a trim took 1 to 3 ms there, and the pages
+        it hands back fault in again as the next steps reuse them)."""
         if self._probe is None or (not preempting and now - self._reclaimed_s < RECLAIM_INTERVAL_S):
             return False
         self._reclaimed_s = now
