@@ -22,7 +22,7 @@ LOAD_CLIENTS = 6
 VICTIM = "replica-1"
 # Sent to the victim itself just before SIGTERM: admitted work that keeps it draining long
 # enough for Nginx to send it new requests, which it must refuse (503) for Nginx to retry.
-HELD_INPUTS = 48
+HELD_INPUTS = 128
 HELD_TEXT = "Batching requests makes inference on accelerators much cheaper and faster. " * 4
 
 
